@@ -14,6 +14,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import secrets
 import shlex
 import socket
@@ -24,7 +25,8 @@ from pathlib import Path
 
 import paramiko
 
-from relay.protocol import client_handshake, normalize_fingerprint, pinned_tls_wrap
+from relay.protocol import (FingerprintMismatch, ProtocolError, client_handshake, normalize_fingerprint,
+                            pinned_tls_wrap)
 
 RELAY_DIR = Path(__file__).resolve().parent
 SETUP_SCRIPT = RELAY_DIR.parent / "infra" / "ec2_setup.sh"
@@ -186,6 +188,8 @@ def setup(client: paramiko.SSHClient, args: argparse.Namespace) -> dict[str, str
         except (paramiko.SSHException, OSError):
             pass  # the connection is gone; the error that broke it is the one to report
     if status != 0:
+        if args.user != "root" and status == 127 and "sudo" in err:
+            raise ProvisionError(f"there is no sudo on the VM; log in as root or install sudo for {args.user}")
         if "sudo:" in err and ("password" in err or "terminal" in err):
             raise ProvisionError(f"sudo on the VM asks {args.user} for a password; use a user with passwordless "
                                  "sudo (ec2-user / ubuntu on EC2) or add "
@@ -219,11 +223,15 @@ def check_relay(host: str, port: int, fingerprint: str, token: str, timeout: flo
     try:
         sock.settimeout(timeout)
         tls = pinned_tls_wrap(sock, fingerprint)
-        client_handshake(tls, f"provision-check-{secrets.token_hex(4)}", 0, 2, token.encode())
+        client_handshake(tls, f"provision-check-{secrets.token_hex(4)}", 0, 2, token)
         tls.close()
-    except (OSError, ValueError, ConnectionError) as e:
-        sock.close()
+    except FingerprintMismatch as e:
+        raise ProvisionError(f"{host}:{port} answers with another certificate than the one the setup made: something "
+                             f"else listens there, or the network intercepts TLS ({e})") from None
+    except (ProtocolError, OSError, ValueError) as e:
         raise ProvisionError(f"the relay at {host}:{port} failed the TLS/handshake check: {e}") from None
+    finally:
+        sock.close()
 
 
 def write_card(path: Path, card: dict) -> None:
@@ -237,33 +245,40 @@ def write_card(path: Path, card: dict) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m relay.provision", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m relay.provision", description=__doc__.split("\n\n")[0])
     p.add_argument("--host", required=True, help="public address (IP or DNS name) of the VM")
-    p.add_argument("--user", required=True, help="SSH user: ec2-user (Amazon Linux), ubuntu (Ubuntu), or root; "
+    p.add_argument("--user", required=True, help="SSH user: ec2-user (Amazon Linux), ubuntu (Ubuntu) or root; "
                                                  "a user other than root needs passwordless sudo")
-    p.add_argument("--key", required=True, help="private key file for the SSH login (the EC2 key pair .pem)")
+    p.add_argument("--key", required=True, metavar="PEM",
+                   help="private key file for the SSH login (the EC2 key pair .pem, unencrypted)")
     pin = p.add_mutually_exclusive_group(required=True)
-    pin.add_argument("--known-hosts", help="known_hosts file that holds the VM's host key (checked, never added to)")
-    pin.add_argument("--host-key", help="the VM's SSH host key fingerprint, SHA256:base64 as `ssh-keygen -lf` prints "
-                                        "it (EC2: Actions → Monitor → Get system log)")
-    p.add_argument("--ssh-port", type=int, default=22, help="SSH port of the VM")
-    p.add_argument("--port", type=int, default=7000, help="TCP port the relay listens on; open it in the "
-                                                          "security group")
-    p.add_argument("--metrics-port", type=int, default=0,
-                   help="also serve /healthz and /metrics on this port on the VM (0: off); keep it closed "
-                        "in the security group and reach it through an SSH tunnel")
+    pin.add_argument("--known-hosts", metavar="FILE",
+                     help="known_hosts file that holds the VM's host key (checked, never added to)")
+    pin.add_argument("--host-key", metavar="SHA256:...",
+                     help="the VM's SSH host key fingerprint as `ssh-keygen -lf` prints it "
+                          "(EC2: Actions → Monitor and troubleshoot → Get system log)")
+    p.add_argument("--ssh-port", type=int, default=22, metavar="N", help="SSH port of the VM (default 22)")
+    p.add_argument("--port", type=int, default=7000, metavar="N",
+                   help="TCP port the relay listens on; open it in the security group (default 7000)")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="N",
+                   help="also serve /healthz and /metrics on this port on the VM (default 0: off); keep it "
+                        "closed in the security group and reach it through an SSH tunnel")
     p.add_argument("--rotate-token", action="store_true",
                    help="replace the session token; notebooks holding the old card are then refused")
-    p.add_argument("--prefix", default="", help="install under this folder on the VM instead of / (tests, "
-                                                "side-by-side installs); runs the relay detached, not under systemd")
-    p.add_argument("--card-file", type=Path, default=Path("relay_card.json"),
-                   help="where to write the relay card (JSON, mode 0600)")
-    p.add_argument("--timeout", type=float, default=20.0, help="seconds for each network step: SSH connect, "
-                                                               "small remote commands, the relay check")
-    p.add_argument("--setup-timeout", type=float, default=900.0,
-                   help="seconds the setup script may run on the VM (it may install python3)")
+    p.add_argument("--prefix", default="", metavar="DIR",
+                   help="install under DIR on the VM instead of / (tests, side-by-side installs); "
+                        "the relay then runs detached, not under systemd")
+    p.add_argument("--card-file", type=Path, default=Path("relay_card.json"), metavar="FILE",
+                   help="where to write the relay card, JSON readable by you only (default relay_card.json)")
+    p.add_argument("--timeout", type=float, default=20.0, metavar="S",
+                   help="seconds for each network step: SSH connect, small remote commands, the relay check "
+                        "(default 20)")
+    p.add_argument("--setup-timeout", type=float, default=900.0, metavar="S",
+                   help="seconds the setup script may run on the VM; it may install python3 (default 900)")
     args = p.parse_args(argv)
+    if args.host_key and not re.fullmatch(r"(SHA256:)?[A-Za-z0-9+/]{43}=?", args.host_key):
+        p.error(f"--host-key must be an OpenSSH SHA256 fingerprint like SHA256:{'x' * 43} "
+                f"(ssh-keygen -lf KEY.pub), got {args.host_key!r}")
     for name in ("ssh_port", "port"):
         if not 1 <= getattr(args, name) <= 65535:
             p.error(f"--{name.replace('_', '-')} must be 1..65535")

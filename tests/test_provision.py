@@ -58,14 +58,16 @@ def wait_port(port: int, timeout: float = 10.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
+def sshd():
     """A throwaway sshd on a free loopback port that lets root in with a generated key."""
-    d = tmp_path_factory.mktemp("sshd")
+    d = Path(tempfile.mkdtemp(prefix="kit-sshd-test-", dir="/tmp"))
+    d.chmod(0o755)  # other users read authorized_keys here (test_sudo_password_is_named)
     host_fp = keygen(d / "host_key")
     keygen(d / "user_key")
     keygen(d / "wrong_key")
     other_host_fp = keygen(d / "other_host_key")
     (d / "authorized_keys").write_text((d / "user_key.pub").read_text())
+    (d / "authorized_keys").chmod(0o644)
     port = free_port()
     (d / "sshd_config").write_text(f"""\
 Port {port}
@@ -92,6 +94,7 @@ LogLevel VERBOSE
         proc.terminate()
         proc.wait(timeout=10)
         log.close()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def running(pid: int) -> bool:
@@ -254,6 +257,27 @@ def test_wrong_ssh_key_is_a_clear_error(sshd, tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "refused" in lines[0] and str(sshd.wrong_key) in lines[0], r.stderr
     assert not prefix.exists()
+
+
+@needs_sshd
+@needs_root
+@pytest.mark.skipif(shutil.which("sudo") is None, reason="sudo not installed")
+def test_sudo_password_is_named(sshd, tmp_path):
+    user = "kitprovtest"
+    if subprocess.run(["id", user], capture_output=True).returncode != 0:
+        subprocess.run(["useradd", "--no-create-home", "--home-dir", "/nonexistent", "--shell", "/bin/bash", user],
+                       check=True)
+    subprocess.run(["usermod", "-p", "*", user], check=True)  # key login only; "!" would lock it for sshd
+    try:
+        cmd = [sys.executable, "-m", "relay.provision", "--host", "127.0.0.1", "--ssh-port", str(sshd.port),
+               "--user", user, "--key", str(sshd.key), "--host-key", sshd.host_fp, "--timeout", "10",
+               "--port", str(free_port()), "--prefix", str(tmp_path / "never"), "--card-file", str(tmp_path / "c")]
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    finally:
+        subprocess.run(["userdel", user], check=False)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "sudo on the VM asks kitprovtest for a password" in r.stderr, r.stderr
+    assert not (tmp_path / "never").exists()
 
 
 def test_closed_relay_port_names_the_security_group():
