@@ -89,6 +89,7 @@ find_python() {
 missing=()
 find_python >/dev/null || missing+=(python3)
 command -v openssl >/dev/null || missing+=(openssl)
+command -v setpriv >/dev/null || missing+=(util-linux)
 if [ ${#missing[@]} -gt 0 ]; then
     log "installing ${missing[*]}"
     install_packages "${missing[@]}"
@@ -234,7 +235,7 @@ SystemCallErrorNumber=EPERM
 CapabilityBoundingSet=$caps
 AmbientCapabilities=$caps
 UMask=0077
-MemoryMax=256M
+MemoryMax=384M
 TasksMax=64
 LimitNOFILE=4096
 
