@@ -13,6 +13,7 @@ import argparse
 import base64
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -289,6 +290,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    logging.getLogger("paramiko").addHandler(logging.NullHandler())  # its tracebacks would bury our one line
     try:
         client = connect(args)
         try:
