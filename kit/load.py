@@ -146,39 +146,49 @@ def load_stage(source: str, start: int, end: int, *, first: bool | None = None, 
         raise CheckpointError("--load-in-4bit needs a CUDA device (bitsandbytes NF4)")
     with torch.device("meta"):
         stage = Stage(cfg, start, end, first=first, last=last, layer_devices=devices)
+    params = [n for n, _ in stage.named_parameters()]
+    stage.loaded_files = read_tensors(source, stage, params, dtype=dtype, devices=devices, progress=progress)
+    if load_in_4bit:
+        quantize_nf4(stage, dtype)
+    stage.setup_cache(max_len)
+    return stage.eval().requires_grad_(False)
+
+
+def read_tensors(source: str, stage: Stage, names: list[str], *, dtype: torch.dtype,
+                 devices: list[torch.device] | None = None, device: str | None = None,
+                 progress: bool = False) -> list[str]:
+    """Read the checkpoint tensors behind `names` (our parameter names) into `stage`; return the shard
+    files opened. Only those shards are downloaded (hub) or opened (folder)."""
+    folder = resolve(source)
+    cfg = stage.cfg
+    devices = devices or [torch.device(device or "cpu")] * len(stage.layers)
     wmap = weight_map(folder)
-    wanted = stage_tensor_names(cfg, start, end, first, last, set(wmap))
-    params = dict(stage.named_parameters())
-    absent = sorted(set(params) - set(wanted)) + sorted(n for n in wanted.values() if n not in wmap)
+    mapping = stage_tensor_names(cfg, stage.start, stage.end, stage.first, stage.last, set(wmap))
+    absent = sorted(n for n in names if n not in mapping) + sorted(mapping[n] for n in names if n in mapping and mapping[n] not in wmap)
     if absent:
         raise CheckpointError(f"checkpoint {folder} is partial: missing {', '.join(absent[:5])}"
                               + (" ..." if len(absent) > 5 else ""))
     by_file: dict[str, list[str]] = {}
-    for ours, theirs in wanted.items():
-        by_file.setdefault(wmap[theirs], []).append(ours)
+    for ours in names:
+        by_file.setdefault(wmap[mapping[ours]], []).append(ours)
     files = sorted(by_file)
     if is_hub_id(source):
         from huggingface_hub import hf_hub_download
 
         for f in files:
             hf_hub_download(source, f)  # shows its own progress bar; only the shards we need
-    bar = tqdm(total=len(wanted), desc=f"stage {start}-{end}", unit="tensor", disable=not progress)
+    bar = tqdm(total=len(names), desc=f"layers {stage.start}-{stage.end}", unit="tensor", disable=not progress)
     for fname in files:
         path = folder / fname
         if not path.is_file():
             raise CheckpointError(f"checkpoint {folder} is partial: shard {fname} is missing")
         with safe_open(path, framework="pt") as f:
             for ours in by_file[fname]:
-                dev = param_device(ours, devices)
-                tensor = f.get_tensor(wanted[ours]).to(device=dev, dtype=dtype)
+                tensor = f.get_tensor(mapping[ours]).to(device=param_device(ours, devices), dtype=dtype)
                 set_param(stage, ours, tensor)
                 bar.update()
     bar.close()
-    stage.loaded_files = files
-    if load_in_4bit:
-        quantize_nf4(stage, dtype)
-    stage.setup_cache(max_len)
-    return stage.eval().requires_grad_(False)
+    return files
 
 
 def param_device(name: str, devices: list[torch.device]) -> torch.device:

@@ -1,0 +1,168 @@
+"""Drafters: a small model, the target's own first layers (`self:L`), prompt lookup (`ngram`), `none`.
+
+Every drafter answers `propose(context, k) -> list[int]` with up to k tokens that continue the
+committed `context`. Drafts are deterministic (argmax of the drafter, or a lookup), so the verifier
+treats the draft distribution as a point mass and only token ids ever cross the network.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kit.load import CheckpointError, load_config, load_stage, read_tensors, resolve
+from kit.model import Stage
+
+
+class NoDrafter:
+    """Plain decoding: one token per round."""
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        return []
+
+
+class NgramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens, copy what followed."""
+
+    def __init__(self, max_n: int = 3):
+        self.max_n = max_n
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        for n in range(min(self.max_n, len(context) - 1), 0, -1):
+            tail = context[-n:]
+            for i in range(len(context) - n - 1, -1, -1):
+                if context[i:i + n] == tail:
+                    return context[i + n:i + n + k]
+        return []
+
+
+class ModelDrafter:
+    """Greedy drafts from a small causal LM kept in its own static KV cache.
+
+    The cache holds exactly the tokens in `fed`; each call rewinds it to the longest prefix shared with
+    the new context, feeds the rest (after a fully accepted round that includes the last draft, so the
+    context has no hole) and runs the k-step loop. On CUDA the loop is one graph per k: static token
+    and position buffers, argmax on the device, one host sync for the k tokens.
+    """
+
+    def __init__(self, stage: Stage, vocab_limit: int, graphs: bool | None = None):
+        if not (stage.first and stage.last):
+            raise ValueError("a drafter needs the embedding, its layers, the norm and the head")
+        self.stage, self.vocab_limit = stage, vocab_limit
+        self.graphs = stage.device.type == "cuda" if graphs is None else graphs
+        self.fed: list[int] = []
+        self._captured: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._pool = None
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        if k <= 0 or not context:
+            return []
+        stage = self.stage
+        if len(context) + k > stage.max_len:
+            return []
+        common = 0
+        limit = min(len(self.fed), len(context) - 1)  # the last context token always goes through the loop
+        while common < limit and self.fed[common] == context[common]:
+            common += 1
+        stage.rewind(common)
+        catch_up = context[common:-1]
+        if catch_up:
+            stage.step(torch.tensor(catch_up, device=stage.device))
+        drafts = self._loop(context[-1], len(context) - 1, k)
+        self.fed = context + drafts[:-1]
+        stage.length = len(self.fed)
+        return drafts
+
+    def _body(self, tok: torch.Tensor, start: torch.Tensor, out: torch.Tensor, k: int, S: int) -> None:
+        dev = self.stage.device
+        slots = torch.arange(S, device=dev)
+        pos = start.clone()
+        for i in range(k):
+            logits = self.stage(tok, pos, pos, (slots <= pos)[None, :])[0, -1, : self.vocab_limit]
+            tok = logits.argmax(-1, keepdim=True)
+            out[i : i + 1].copy_(tok)
+            pos = pos + 1
+
+    def _loop(self, last: int, start: int, k: int) -> list[int]:
+        dev = self.stage.device
+        if not self.graphs:
+            out = torch.empty(k, dtype=torch.long, device=dev)
+            self._body(torch.tensor([last], device=dev), torch.tensor([start], device=dev), out, k, start + k)
+            return out.tolist()
+        if k not in self._captured:
+            self._capture(k)
+        graph, tok, start_t, out = self._captured[k]
+        tok.fill_(last)
+        start_t.fill_(start)
+        graph.replay()
+        return out.tolist()
+
+    def _capture(self, k: int) -> None:
+        dev, S = self.stage.device, self.stage.max_len
+        tok = torch.zeros(1, dtype=torch.long, device=dev)
+        start = torch.full((1,), S - k, dtype=torch.long, device=dev)  # warm-up writes unused end slots
+        out = torch.zeros(k, dtype=torch.long, device=dev)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._body(tok, start, out, k, S)
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._body(tok, start, out, k, S)
+        self._captured[k] = (graph, tok, start, out)
+
+
+def tokenizer_signature(folder: Path) -> dict:
+    """The vocabulary a checkpoint's tokenizer maps text to (token -> id), without loading weights."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:
+        raise CheckpointError(f"cannot read the tokenizer in {folder}: {e}") from None
+    return tok.get_vocab()
+
+
+def check_same_tokenizer(target: str, draft: str) -> None:
+    """Refuse a drafter whose tokenizer maps text to other ids than the target's (before loading weights)."""
+    t_vocab, d_vocab = tokenizer_signature(resolve(target)), tokenizer_signature(resolve(draft))
+    differ = [tok for tok, i in d_vocab.items() if t_vocab.get(tok, i) != i]
+    missing = len(set(d_vocab) ^ set(t_vocab))
+    if differ or missing > 0.01 * len(t_vocab):
+        raise CheckpointError(
+            f"drafter {draft} uses a different tokenizer than target {target} "
+            f"({len(differ)} tokens map to other ids, {missing} tokens only in one): pick a drafter of the same family"
+        )
+
+
+def make_drafter(spec: str, target: str, stage0: Stage | None = None, *, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu", max_len: int = 4096, progress: bool = True):
+    """Build the drafter named by `spec`: none, ngram, self:L, or a checkpoint (folder, hub id, GGUF)."""
+    if spec in ("none", "", None):
+        return NoDrafter()
+    if spec == "ngram":
+        return NgramDrafter()
+    target_cfg = load_config(target)
+    if spec.startswith("self:"):
+        n = int(spec.split(":", 1)[1])
+        if stage0 is None or not stage0.first or not 0 < n <= len(stage0.layers):
+            have = len(stage0.layers) if stage0 is not None else 0
+            raise ValueError(f"self:{n} needs the first {n} target layers on this node; it holds {have}")
+        with torch.device("meta"):
+            stage = Stage(target_cfg, 0, n, first=True, last=True)
+        stage.embed_tokens = stage0.embed_tokens
+        stage.layers = torch.nn.ModuleList(stage0.layers[:n])
+        read_tensors(target, stage, ["norm.weight", "lm_head.weight"], dtype=dtype, device=device)
+        stage.setup_cache(max_len)
+        stage.eval().requires_grad_(False)
+    else:
+        check_same_tokenizer(target, spec)
+        cfg = load_config(spec)
+        stage = load_stage(spec, 0, cfg.n_layers, dtype=dtype, layer_devices=[device] * cfg.n_layers,
+                           max_len=max_len, progress=progress)
+    return ModelDrafter(stage, vocab_limit=min(stage.cfg.vocab_size, target_cfg.vocab_size))
+
