@@ -307,7 +307,8 @@ def test_setup_script_passes_shellcheck():
 
 @needs_sshd
 @needs_root
-@pytest.mark.skipif(not (ROOT / "kit/node.py").exists(), reason="kit/node.py (the node runtime) not written yet")
+@pytest.mark.skipif(not (ROOT / "kit/node.py").exists() or not (ROOT / "kit/__main__.py").exists(),
+                    reason="the node runtime (kit/node.py, kit/__main__.py) is not written yet")
 @pytest.mark.timeout(300)
 def test_two_stage_run_through_provisioned_relay(provisioned, request):
     assert provisioned.result.returncode == 0, provisioned.result.stderr
