@@ -222,10 +222,9 @@ class Stage(nn.Module):
             shape = (1, self.cfg.n_kv_heads, max_len, self.cfg.head_dim)
             self.k_caches.append(torch.zeros(shape, dtype=w.dtype, device=w.device))
             self.v_caches.append(torch.zeros(shape, dtype=w.dtype, device=w.device))
-        limit = max(max_len, self.cfg.max_position_embeddings)
-        self.rope = {}
+        self.rope = {}  # positions never exceed slots, so max_len rows suffice
         for dev in {w.device for w in (layer.input_layernorm.weight for layer in self.layers)}:
-            self.rope[dev] = rope_tables(self.cfg, limit, dev)
+            self.rope[dev] = rope_tables(self.cfg, max_len, dev)
 
     def rewind(self, n: int) -> None:
         """Forget everything from slot n on: O(1), stale slots are masked and later overwritten."""
@@ -233,10 +232,12 @@ class Stage(nn.Module):
             raise ValueError(f"cannot rewind to {n}: cache holds {self.max_len} slots")
         self.length = n
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
+                head: bool = True) -> torch.Tensor:
         """x: token ids [T] (first stage) or hidden [1, T, D]; pos: rope positions [T]; slots: cache
         slots written [T]; mask: [T, S] bool, True where a query may attend a slot.
-        Returns hidden [1, T, D], or logits [1, T, V] (fp32) on the last stage. Does not move `length`."""
+        Returns hidden [1, T, D], or logits [1, T, V] (fp32) on the last stage unless `head` is False
+        (prefill needs no logits). Does not move `length`."""
         h = self.embed_tokens(x)[None] if self.first else x
         dev = None
         for i, layer in enumerate(self.layers):
@@ -246,11 +247,11 @@ class Stage(nn.Module):
                 h, pos_d, slots_d, mask_d = h.to(dev), pos.to(dev), slots.to(dev), mask.to(dev)
                 cos, sin = (t[pos_d] for t in self.rope[dev])
             h = layer(h, cos, sin, mask_d, slots_d, self.k_caches[i], self.v_caches[i])
-        if self.last:
+        if self.last and head:
             h = self.lm_head(self.norm(h)).float()
         return h
 
-    def step(self, x: torch.Tensor, tree_parents: list[int] | None = None) -> torch.Tensor:
+    def step(self, x: torch.Tensor, tree_parents: list[int] | None = None, head: bool = True) -> torch.Tensor:
         """Append T tokens after `length` as a chain (or a token tree) and advance `length` by T."""
         T = x.shape[0] if self.first else x.shape[1]
         if self.length + T > self.max_len:
@@ -264,7 +265,7 @@ class Stage(nn.Module):
             pos = torch.tensor([self.length + d for d in depth], device=dev)
             mask = tree_mask(self.length, tree_parents, self.length + T, dev)
         slots = torch.arange(self.length, self.length + T, device=dev)
-        out = self(x, pos, slots, mask)
+        out = self(x, pos, slots, mask, head)
         self.length += T
         return out
 

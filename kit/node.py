@@ -1,0 +1,631 @@
+"""One stage of the ring: node 0 drives rounds, middle stages forward hidden states, the last verifies.
+
+Messages (all through the relay, see docs/PROTOCOL.md):
+  TENSOR  i -> i+1   hidden states of positions start..start+T-1, meta {kind: prefill|round, gen, start,
+                     tokens, rid, stage_ms, ...}; a round's tokens are [last committed, d1..dK].
+  TOKENS  last -> 0  verdict: the committed tokens [d1..da, next], meta {rid, gen, accepted, stage_ms}.
+  CONTROL            hello (a stage is up, with its boot id), who (node 0 asks), stale (a stage lacks the
+                     prefix a round needs: it restarted), end (session over).
+
+Every stage rewinds its cache to a frame's `start` before writing, so a resent or replayed frame is
+idempotent. The last stage holds the frontier (start, first token) that the next valid round must have;
+a round built on a guess that failed is discarded without compute. A stage whose cache is shorter than a
+frame's start asks node 0 to replay the committed tokens.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kit.client import RelayClient
+from kit.draft import check_same_tokenizer, make_drafter
+from kit.generate import AdaptiveK, finish
+from kit.graphs import StageRunner
+from kit.load import CheckpointError, load_config, load_stage, parse_dtype, resolve
+from kit.metrics import MetricsWriter, Progress
+from kit.model import ConfigError, Stage
+from kit.plan import (PlanError, check_fit, estimate_kv, estimate_weights, even_split, format_plan, layer_devices,
+                      place_node)
+from kit.verify import Sampling, verify
+from relay.protocol import (FrameType, decode_control, decode_error, decode_tensor, decode_tokens,
+                            encode_control, encode_tensor, encode_tokens)
+
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+PREFILL_CHUNK = 128
+
+
+class StageTimeout(RuntimeError):
+    """A stage stayed away longer than the allowed time."""
+
+
+def to_payload(h: torch.Tensor, meta: dict) -> bytes:
+    h = h.detach().contiguous()
+    raw = h.view(torch.uint8).cpu().numpy() if h.numel() else b""
+    return encode_tensor(meta, str(h.dtype).removeprefix("torch."), tuple(h.shape), raw)
+
+
+def from_payload(payload: bytes, device: torch.device) -> tuple[dict, torch.Tensor]:
+    meta, dtype, shape, data = decode_tensor(payload)
+    t = torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[dtype]) if len(data) else torch.empty(0, dtype=TORCH_DTYPES[dtype])
+    return meta, t.view(shape).to(device)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StageServer:
+    """Stages 1..N-1: serve frames until node 0 ends the session."""
+
+    def __init__(self, client: RelayClient, stage: Stage, *, graphs: bool | None = None, log=sys.stderr):
+        self.client, self.stage, self.log = client, stage, log
+        self.runner = StageRunner(stage, graphs)
+        self.index, self.n = client.stage, client.stages
+        self.last = self.index == self.n - 1
+        self.boot = uuid.uuid4().hex[:12]
+        self.frontier: tuple[int, int] | None = None  # (start, first token) of the next valid round
+        self.sampling = Sampling()
+        self.gen = -1
+        self.verdicts: collections.OrderedDict[tuple[int, int], tuple[list[int], dict]] = collections.OrderedDict()
+
+    def hello(self) -> None:
+        self.client.send(0, FrameType.CONTROL, encode_control({"op": "hello", "stage": self.index, "boot": self.boot}))
+
+    def serve(self) -> None:
+        self.hello()
+        while True:
+            f = self.client.recv(timeout=1.0)
+            if f is None:
+                continue
+            if f.type == FrameType.CONTROL:
+                msg = decode_control(f.payload)
+                if msg.get("op") == "who":
+                    self.hello()
+                elif msg.get("op") == "end":
+                    return
+            elif f.type == FrameType.TENSOR:
+                self.on_tensor(f.payload)
+            elif f.type == FrameType.ERROR:
+                print(f"[stage {self.index}] relay: {decode_error(f.payload).get('message')}", file=self.log)
+            elif f.type == FrameType.BYE:
+                continue
+
+    def on_tensor(self, payload: bytes) -> None:
+        dev = self.stage.device
+        meta, h = from_payload(payload, dev)
+        start, T = meta["start"], h.shape[1]
+        if meta["gen"] < self.gen:
+            return  # a frame of a generation node 0 has already replaced
+        if start > self.stage.length:
+            self.client.send(0, FrameType.CONTROL, encode_control(
+                {"op": "stale", "stage": self.index, "have": self.stage.length, "gen": meta["gen"]}))
+            return
+        self.gen = meta["gen"]
+        t0 = time.perf_counter()
+        if meta["kind"] == "prefill":
+            self.stage.rewind(start)
+            out = self.stage.step(h, head=False) if T else h
+            if meta.get("final") and self.last:
+                self.frontier = (meta["end"], meta["next"])
+                self.sampling = Sampling(**meta["sampling"])
+                self.verdicts.clear()
+            sync(dev)
+            if not self.last:
+                self.forward(meta, out, t0)
+            return
+        if not self.last:
+            out = self.runner(h, start)
+            sync(dev)
+            self.forward(meta, out, t0)
+            return
+        key = (meta["gen"], meta["rid"])
+        if key in self.verdicts:  # a resend: answer again, compute nothing
+            ids, vmeta = self.verdicts[key]
+            self.client.send(0, FrameType.TOKENS, encode_tokens(ids, vmeta), round_id=meta["rid"])
+            return
+        tokens = meta["tokens"]
+        if self.frontier != (start, tokens[0]):
+            vmeta = {"rid": meta["rid"], "gen": meta["gen"], "discarded": True}
+            self.client.send(0, FrameType.TOKENS, encode_tokens([], vmeta), round_id=meta["rid"])
+            return
+        logits = self.runner(h, start)[0]
+        accepted, nxt = verify(logits, tokens[1:], self.sampling, start + 1)
+        self.frontier = (start + accepted + 1, nxt)
+        ms = (time.perf_counter() - t0) * 1000
+        ids = tokens[1:1 + accepted] + [nxt]
+        vmeta = {"rid": meta["rid"], "gen": meta["gen"], "accepted": accepted, "start": start,
+                 "stage_ms": meta.get("stage_ms", []) + [ms]}
+        self.verdicts[key] = (ids, vmeta)
+        while len(self.verdicts) > 64:
+            self.verdicts.popitem(last=False)
+        self.client.send(0, FrameType.TOKENS, encode_tokens(ids, vmeta), round_id=meta["rid"])
+
+    def forward(self, meta: dict, out: torch.Tensor, t0: float) -> None:
+        meta = dict(meta, stage_ms=meta.get("stage_ms", []) + [(time.perf_counter() - t0) * 1000])
+        self.client.send(self.index + 1, FrameType.TENSOR, to_payload(out, meta), round_id=meta.get("rid", 0))
+
+
+@dataclass
+class Flight:
+    """A round sent and not yet answered."""
+
+    rid: int
+    base: list[int]  # the context it builds on (committed, or assumed after earlier rounds in flight)
+    drafts: list[int]
+    sent_at: float
+    draft_ms: float
+    stage0_ms: float
+    payload: bytes
+    spec: list[int] | None = None  # overlap: the drafter's guess [next, e1..eK] if this round is fully accepted
+
+    @property
+    def start(self) -> int:
+        return len(self.base) - 1
+
+    @property
+    def assumed(self) -> list[int]:
+        return self.base + self.drafts
+
+
+@dataclass
+class RunOptions:
+    max_new_tokens: int = 128
+    k: int = 4
+    adaptive: bool = False
+    depth: int = 1  # rounds in flight
+    overlap: bool = True
+    sampling: Sampling = field(default_factory=Sampling)
+    resend_after_s: float = 3.0
+    stage_timeout_s: float = 60.0
+
+
+class Replay(Exception):
+    """A stage lost its cache: rebuild every stage from the committed tokens."""
+
+
+class Driver:
+    """Node 0: prefill, then rounds of draft -> stage 0 -> ring -> verdict, with overlap and rounds in flight."""
+
+    def __init__(self, client: RelayClient, stage: Stage, drafter, *, graphs: bool | None = None,
+                 metrics: MetricsWriter | None = None, progress: Progress | None = None, log=sys.stderr):
+        self.client, self.stage, self.drafter = client, stage, drafter
+        self.runner = StageRunner(stage, graphs)
+        self.n = client.stages
+        self.metrics, self.progress, self.log = metrics, progress, log
+        self.boots: dict[int, str] = {}
+        self.gen = 0
+        self.rid = 0
+        self.last_reconnects = client.reconnects
+        self.pending_spec: tuple[list[int], list[int]] | None = None
+        self.partial: list[int] = []
+
+    def send_all(self, msg: dict) -> None:
+        for i in range(1, self.n):
+            self.client.send(i, FrameType.CONTROL, encode_control(msg))
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        """Block until every other stage has said hello (they may still be loading weights)."""
+        deadline = time.monotonic() + timeout
+        asked = 0.0
+        while len(self.boots) < self.n - 1:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(1, self.n)) - set(self.boots))
+                raise StageTimeout(f"stages {missing} did not come up within {timeout:.0f} s")
+            if time.monotonic() - asked > 2.0:
+                self.send_all({"op": "who"})
+                asked = time.monotonic()
+            f = self.client.recv(timeout=0.5)
+            if f is not None and f.type == FrameType.CONTROL:
+                msg = decode_control(f.payload)
+                if msg.get("op") == "hello":
+                    self.boots[msg["stage"]] = msg["boot"]
+
+    def end(self) -> None:
+        self.send_all({"op": "end"})
+
+    # -- generation -------------------------------------------------------------------------------------
+    def generate(self, prompt: list[int], opts: RunOptions, eos_ids: set[int], stop=None) -> dict:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        t0 = time.perf_counter()
+        adaptive = AdaptiveK(k_min=1, k_max=max(1, opts.k)) if opts.adaptive else None
+        context, out = list(prompt), []
+        self.partial = out  # what an interrupted run saves
+        self.first_token_at = None
+        self.rounds = 0
+        self.replays = 0
+        reason = None
+        progress_at = time.monotonic()
+        self.prefill(context, opts.sampling)
+        flights: collections.deque[Flight] = collections.deque()
+        while reason is None:
+            try:
+                self.fill(flights, context, out, opts, adaptive)
+                if not flights:
+                    reason = "length"
+                    break
+                ids, vmeta = self.wait_verdict(flights, opts, progress_at)
+            except Replay:
+                self.replays += 1
+                flights.clear()
+                self.prefill(context, opts.sampling)
+                progress_at = time.monotonic()
+                continue
+            progress_at = time.monotonic()
+            f = flights.popleft()
+            accepted = vmeta["accepted"]
+            new, reason = finish(ids, len(out), opts.max_new_tokens, eos_ids)
+            if stop and reason is None:
+                cut = stop(out + new)
+                if cut is not None:
+                    new, reason = (out + new)[:cut][len(out):], "stop"
+            out += new
+            context += new
+            now = time.perf_counter()
+            if self.first_token_at is None:
+                self.first_token_at = now
+            self.rounds += 1
+            if adaptive:
+                adaptive.update(len(f.drafts), accepted)
+            full = accepted == len(f.drafts) and reason is None
+            if flights and not (full and flights[0].base[-1] == ids[-1]):
+                flights.clear()  # built on a guess that failed; the last stage discards them too
+            if full and f.spec and f.spec[0] == ids[-1] and not flights:
+                self.pending_spec = (list(context), f.spec[1:])
+            self.record(f, vmeta, new, now, t0)
+            if len(context) >= self.stage.max_len and reason is None:
+                reason = "length"
+        elapsed = time.perf_counter() - t0
+        ttft = ((self.first_token_at or time.perf_counter()) - t0) * 1000
+        after = time.perf_counter() - (self.first_token_at or time.perf_counter())
+        return {"token_ids": out, "prompt_tokens": len(prompt), "generated_tokens": len(out),
+                "rounds": self.rounds, "tokens_per_round": len(out) / max(1, self.rounds),
+                "tps": (len(out) - 1) / after if len(out) > 1 and after > 0 else 0.0,
+                "ttft_ms": ttft, "finish_reason": reason, "seconds": elapsed, "replays": self.replays}
+
+    def prefill(self, context: list[int], sampling: Sampling) -> None:
+        """Send context[:-1] down the ring in chunks (stage 1 computes a chunk while the next is on the
+        wire); the final chunk sets the last stage's frontier and sampling."""
+        self.gen += 1
+        self.pending_spec = None
+        ids = context[:-1]
+        dev = self.stage.device
+        starts = list(range(0, len(ids), PREFILL_CHUNK)) or [0]
+        for s in starts:
+            chunk = ids[s:s + PREFILL_CHUNK]
+            self.stage.rewind(s)
+            if chunk:
+                h = self.stage.step(torch.tensor(chunk, device=dev), head=False)
+            else:
+                h = torch.zeros(1, 0, self.stage.cfg.hidden_size, dtype=self.stage.dtype, device=dev)
+            meta = {"kind": "prefill", "gen": self.gen, "start": s, "end": len(ids)}
+            if s == starts[-1]:
+                meta.update(final=True, next=context[-1], sampling=dataclasses.asdict(sampling))
+            self.client.send(1, FrameType.TENSOR, to_payload(h, meta))
+
+    def fill(self, flights, context, out, opts: RunOptions, adaptive) -> None:
+        """Send rounds until `depth` are in flight (or the assumed output already reaches max_new_tokens)."""
+        while len(flights) < opts.depth:
+            in_flight = sum(len(f.drafts) + 1 for f in flights)
+            room = opts.max_new_tokens - len(out) - in_flight
+            if room <= 0:
+                return
+            want = adaptive.choose() if adaptive else opts.k
+            t0 = time.perf_counter()
+            if not flights:
+                base = list(context)
+                if self.pending_spec and self.pending_spec[0] == base:
+                    drafts = self.pending_spec[1]
+                    t0 = time.perf_counter()  # drafted while the previous round was on the wire
+                else:
+                    drafts = self.drafter.propose(base, self.clamp(want, base, room))
+            else:
+                prev = flights[-1]
+                props = self.drafter.propose(prev.assumed, self.clamp(want, prev.assumed, room) + 1)
+                if not props:
+                    return  # nothing to guess the next token with: wait for the verdict
+                base, drafts = prev.assumed + props[:1], props[1:]
+            self.pending_spec = None
+            drafts = drafts[: self.clamp(want, base, room)]
+            draft_ms = (time.perf_counter() - t0) * 1000
+            self.send_round(flights, base, drafts, draft_ms, opts)
+
+    def clamp(self, want: int, base: list[int], room: int) -> int:
+        return max(0, min(want, room - 1, self.stage.max_len - len(base)))
+
+    def send_round(self, flights, base, drafts, draft_ms, opts: RunOptions) -> None:
+        self.rid += 1
+        tokens = [base[-1], *drafts]
+        t0 = time.perf_counter()
+        h = self.runner(torch.tensor(tokens, device=self.stage.device), len(base) - 1)
+        sync(self.stage.device)
+        stage0_ms = (time.perf_counter() - t0) * 1000
+        meta = {"kind": "round", "gen": self.gen, "rid": self.rid, "start": len(base) - 1, "tokens": tokens,
+                "stage_ms": [stage0_ms]}
+        payload = to_payload(h, meta)
+        sent_at = time.perf_counter() - (draft_ms + stage0_ms) / 1000
+        self.client.send(1, FrameType.TENSOR, payload, round_id=self.rid)
+        f = Flight(self.rid, base, drafts, sent_at, draft_ms, stage0_ms, payload)
+        flights.append(f)
+        if opts.overlap and opts.depth == 1:
+            # draft the next round while this one is on the wire, assuming it is fully accepted
+            f.spec = self.drafter.propose(f.assumed, self.clamp(opts.k, f.assumed, 1 << 30) + 1) or None
+
+    def resend(self, flights) -> None:
+        for f in flights:
+            self.client.send(1, FrameType.TENSOR, f.payload, round_id=f.rid)
+
+    def wait_verdict(self, flights, opts: RunOptions, progress_at: float) -> tuple[list[int], dict]:
+        head = flights[0]
+        resend_at = time.monotonic() + opts.resend_after_s
+        while True:
+            if self.client.reconnects != self.last_reconnects:
+                self.last_reconnects = self.client.reconnects
+                self.resend(flights)  # frames inside a broken link may be lost
+                resend_at = time.monotonic() + opts.resend_after_s
+            f = self.client.recv(timeout=0.25)
+            now = time.monotonic()
+            if f is None:
+                if now - progress_at > opts.stage_timeout_s:
+                    raise StageTimeout(f"no verdict for {opts.stage_timeout_s:.0f} s: a stage is gone "
+                                       f"(last heard: {sorted(self.boots)})")
+                if now > resend_at:
+                    self.resend(flights)
+                    resend_at = now + opts.resend_after_s
+                continue
+            if f.type == FrameType.TOKENS:
+                ids, vmeta = decode_tokens(f.payload)
+                if vmeta.get("gen") == self.gen and vmeta.get("rid") == head.rid and not vmeta.get("discarded"):
+                    return ids, vmeta
+            elif f.type == FrameType.CONTROL:
+                msg = decode_control(f.payload)
+                if msg.get("op") == "stale" and msg.get("gen", self.gen) >= self.gen:
+                    print(f"[node 0] stage {msg['stage']} lost its cache; replaying {len(head.base)} tokens", file=self.log)
+                    raise Replay()
+                if msg.get("op") == "hello":
+                    known = self.boots.get(msg["stage"])
+                    self.boots[msg["stage"]] = msg["boot"]
+                    if known is not None and known != msg["boot"]:
+                        print(f"[node 0] stage {msg['stage']} restarted; replaying", file=self.log)
+                        raise Replay()
+            elif f.type == FrameType.ERROR:
+                err = decode_error(f.payload)
+                print(f"[node 0] relay: {err.get('message')}; resending", file=self.log)
+                resend_at = min(resend_at, now + 0.5)
+
+    def record(self, f: Flight, vmeta: dict, new: list[int], now: float, t0: float) -> None:
+        round_ms = (now - f.sent_at) * 1000
+        stage_ms = vmeta.get("stage_ms", [])
+        row = {"round": f.rid, "t": round(now - t0, 6), "k": len(f.drafts), "accepted": vmeta["accepted"],
+               "committed": len(new), "draft_ms": f.draft_ms, "stage_ms": stage_ms,
+               "network_ms": max(0.0, round_ms - f.draft_ms - sum(stage_ms)), "round_ms": round_ms,
+               "bytes_out": len(f.payload), "bytes_in": 8 + 4 * (vmeta["accepted"] + 1)}
+        if self.metrics:
+            self.metrics.round(row)
+        if self.progress:
+            self.progress.update(row)
+
+
+# -- the `kit node` command ---------------------------------------------------------------------------------
+def read_card(path: str | None) -> dict:
+    """The relay card written by `python -m relay.provision` (relay, fingerprint, token)."""
+    if not path:
+        return {}
+    try:
+        card = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: cannot read relay card {path}: {e}")
+    return card
+
+
+def read_token(path: str | None, card: dict) -> str:
+    if path:
+        try:
+            token = Path(path).read_text().strip()
+        except OSError as e:
+            raise SystemExit(f"error: cannot read token file {path}: {e.strerror}")
+    else:
+        token = card.get("token", "")
+    if not token:
+        raise SystemExit("error: no session token: give --token-file or --relay-card")
+    return token
+
+
+def stage_layers(cfg, stage: int, stages: int, layers: str | None) -> tuple[int, int]:
+    """This stage's layer range: --layers A:B, or an even split (middle stages take the remainder)."""
+    if layers:
+        a, _, b = layers.partition(":")
+        try:
+            start, end = int(a), int(b)
+        except ValueError:
+            raise SystemExit(f"error: --layers must be START:END, got {layers!r}")
+        if not 0 <= start < end <= cfg.n_layers:
+            raise SystemExit(f"error: layers {start}:{end} are outside the model's {cfg.n_layers} layers")
+        return start, end
+    if not 2 <= stages <= cfg.n_layers:
+        raise SystemExit(f"error: --stages must be 2..{cfg.n_layers} for a {cfg.n_layers}-layer model")
+    sizes = even_split(cfg.n_layers, stages)
+    return sum(sizes[:stage]), sum(sizes[:stage + 1])
+
+
+def place_layers(args, cfg, start: int, end: int, draft_cfg) -> tuple[list[str], str]:
+    """A device per local layer and the drafter's device; on GPUs the plan checks that weights, KV and
+    drafter fit, and says what to change when they do not."""
+    devices = [d.strip() for d in args.device.split(",") if d.strip()]
+    if devices[0] == "cpu":
+        return ["cpu"] * (end - start), "cpu"
+    if devices[0] == "cuda" and torch.cuda.device_count() > 1 and len(devices) == 1:
+        devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    free = [torch.cuda.mem_get_info(torch.device(d))[1] for d in devices]
+    dtype_bytes = torch.finfo(parse_dtype(args.dtype)).bits / 8
+    draft = None
+    if draft_cfg is not None:
+        draft = (estimate_weights(draft_cfg, 0, draft_cfg.n_layers, True, True, dtype_bytes),
+                 estimate_kv(draft_cfg, draft_cfg.n_layers, args.max_len, dtype_bytes))
+    try:
+        plan = place_node(cfg, args.stage, start, end, start == 0, end == cfg.n_layers, gpus=len(devices),
+                          gpu_bytes=min(free), dtype_bytes=dtype_bytes, load_in_4bit=args.load_in_4bit,
+                          kv_len=args.max_len, draft=draft)
+        check_fit([plan], cfg, args.max_len, args.load_in_4bit, len(devices))
+    except PlanError as e:
+        raise SystemExit(f"error: {e}")
+    names = {f"cuda:{i}": d for i, d in enumerate(devices)}
+    print(format_plan([plan]), file=sys.stderr)
+    return [names[d] for d in layer_devices(plan)], names.get(plan.draft_device or "cuda:0", devices[0])
+
+
+def chat_ids(tokenizer, prompt: str, raw: bool) -> list[int]:
+    if raw or not getattr(tokenizer, "chat_template", None):
+        return tokenizer.encode(prompt)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def eos_ids(folder: Path, cfg, tokenizer) -> set[int]:
+    ids = set(cfg.eos_token_ids)
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        e = json.loads(gen.read_text()).get("eos_token_id")
+        ids |= set([e] if isinstance(e, int) else e or [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def stop_rule(tokenizer, stops: list[str]):
+    """Cut after the token that completes the first stop string."""
+    if not stops:
+        return None
+
+    def cut(ids: list[int]) -> int | None:
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        if not any(s in text for s in stops):
+            return None
+        for n in range(1, len(ids) + 1):
+            if any(s in tokenizer.decode(ids[:n], skip_special_tokens=True) for s in stops):
+                return n
+        return None
+    return cut
+
+
+def prompts_of(args, tokenizer) -> list[list[int]]:
+    if args.prompt_ids:
+        try:
+            return [[int(t) for t in args.prompt_ids.split(",")]]
+        except ValueError:
+            raise SystemExit("error: --prompt-ids must be comma-separated integers")
+    texts = list(args.prompt or [])
+    if args.prompts_file:
+        texts += [line.strip() for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
+    if not texts:
+        raise SystemExit("error: stage 0 needs --prompt, --prompt-ids or --prompts-file")
+    return [chat_ids(tokenizer, t, args.raw) for t in texts]
+
+
+def main(args) -> int:
+    """`kit node`: load this stage, join the ring through the relay, serve (or drive, on stage 0)."""
+    card = read_card(args.relay_card)
+    relay = args.relay or card.get("relay")
+    if not relay:
+        raise SystemExit("error: no relay address: give --relay HOST:PORT or --relay-card")
+    token = read_token(args.token_file, card)
+    fingerprint = args.fingerprint or card.get("fingerprint")
+    if not 0 <= args.stage < args.stages:
+        raise SystemExit(f"error: --stage must be 0..{args.stages - 1}")
+    try:
+        folder = resolve(args.target)
+        cfg = load_config(args.target)
+        draft_cfg = None
+        if args.stage == 0 and args.draft not in ("none", "ngram") and not args.draft.startswith("self:"):
+            check_same_tokenizer(args.target, args.draft)  # before any weights load
+            draft_cfg = load_config(args.draft)
+        start, end = stage_layers(cfg, args.stage, args.stages, args.layers)
+        devices, draft_device = place_layers(args, cfg, start, end, draft_cfg)
+        dtype = parse_dtype(args.dtype)
+        stage = load_stage(args.target, start, end, first=args.stage == 0, last=args.stage == args.stages - 1,
+                           dtype=dtype, layer_devices=devices, load_in_4bit=args.load_in_4bit, max_len=args.max_len)
+    except (CheckpointError, ConfigError, PlanError, ValueError) as e:
+        raise SystemExit(f"error: {e}")
+    client = RelayClient(relay, args.session, args.stage, args.stages, token, fingerprint,
+                         reconnect_deadline=args.stage_timeout)
+    try:
+        client.connect()
+    except Exception as e:
+        raise SystemExit(f"error: cannot join the relay at {relay}: {e}")
+    graphs = None if args.graphs == "auto" else args.graphs == "on"
+    if args.stage != 0:
+        print(f"[stage {args.stage}] layers {start}-{end - 1} ready; serving", file=sys.stderr)
+        try:
+            StageServer(client, stage, graphs=graphs).serve()
+        finally:
+            client.close()
+        return 0
+    return drive(args, client, stage, folder, cfg, dtype, draft_device, graphs)
+
+
+def drive(args, client, stage, folder, cfg, dtype, draft_device, graphs) -> int:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    prompts = prompts_of(args, tokenizer)
+    try:
+        drafter = make_drafter(args.draft, args.target, stage, dtype=dtype, device=draft_device, max_len=args.max_len)
+    except (CheckpointError, ConfigError, ValueError) as e:
+        raise SystemExit(f"error: {e}")
+    metrics = MetricsWriter(args.metrics_dir) if args.metrics_dir else None
+    progress = Progress() if not args.quiet else None
+    driver = Driver(client, stage, drafter, graphs=graphs, metrics=metrics, progress=progress)
+    sampling = Sampling(args.temperature, args.top_p, args.top_k, args.seed)
+    opts = RunOptions(args.max_new_tokens, args.k, args.adaptive_k, args.depth, not args.no_overlap, sampling,
+                      stage_timeout_s=args.stage_timeout)
+    eos = eos_ids(folder, cfg, tokenizer)
+    stop = stop_rule(tokenizer, args.stop or [])
+    code = 0
+    try:
+        driver.wait_ready(timeout=args.ready_timeout)
+        for ids in prompts:
+            try:
+                result = driver.generate(ids, opts, eos, stop)
+            except StageTimeout as e:
+                partial = driver.partial
+                print(f"\nerror: {e}", file=sys.stderr)
+                if metrics:
+                    metrics.summary({"token_ids": partial, "text": tokenizer.decode(partial, skip_special_tokens=True),
+                                     "finish_reason": "error", "error": str(e)})
+                code = 3
+                break
+            result["text"] = tokenizer.decode(result["token_ids"], skip_special_tokens=True)
+            if progress:
+                progress.done()
+            summary = metrics.summary(result, {"k": args.k, "depth": args.depth, "overlap": not args.no_overlap,
+                                               "draft": args.draft, "stages": args.stages}) if metrics else result
+            if args.json:
+                print(json.dumps({k: result[k] for k in JSON_KEYS}), flush=True)
+            else:
+                print(result["text"], flush=True)
+                print(f"[kit] {result['generated_tokens']} tokens, {summary['tps']:.1f} tok/s, "
+                      f"{result['tokens_per_round']:.2f} tokens/round, TTFT {result['ttft_ms']:.0f} ms",
+                      file=sys.stderr)
+    except StageTimeout as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 3
+    finally:
+        if code == 0:
+            driver.end()
+        client.close()
+        if metrics:
+            metrics.close()
+    return code
+
+
+JSON_KEYS = ("token_ids", "text", "prompt_tokens", "generated_tokens", "rounds", "tokens_per_round", "tps",
+             "ttft_ms", "finish_reason")
