@@ -316,6 +316,8 @@ def test_two_stage_run_through_provisioned_relay(provisioned, request):
         smol = request.getfixturevalue("smol_dir")
     except pytest.FixtureLookupError:
         pytest.skip("no smol_dir fixture in tests/conftest.py yet")
+    relay_log = provisioned.prefix / "var/log/kit-relay/relay.log"
+    joined_before = relay_log.read_text().count("event=stage_up")
     r = subprocess.run([sys.executable, "-m", "kit", "run", "--target", str(smol), "--draft", "ngram", "--stages", "2",
                         "--max-new-tokens", "8", "--prompt-ids", "1,2,3,4", "--relay", f"127.0.0.1:{provisioned.port}",
                         "--relay-card", str(provisioned.card_file), "--json"],
@@ -323,3 +325,5 @@ def test_two_stage_run_through_provisioned_relay(provisioned, request):
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(result["token_ids"]) == 8
+    joined = [line for line in relay_log.read_text().splitlines() if "event=stage_up" in line][joined_before:]
+    assert {line.split(" stage=")[1].split()[0] for line in joined} >= {"0", "1"}  # both stages used this relay
