@@ -151,13 +151,13 @@ def upload(sftp: paramiko.SFTPClient, local: Path, remote: str) -> None:
 
 def relay_files() -> list[Path]:
     """The relay package as the VM needs it: everything but this file (which needs paramiko)."""
-    files = sorted(p for p in RELAY_DIR.glob("*.py") if p.name != "provision.py")
-    if not (RELAY_DIR / "server.py").exists():
-        raise ProvisionError(f"no relay/server.py next to {__file__}: incomplete checkout")
-    return files
+    for needed in (RELAY_DIR / "server.py", SETUP_SCRIPT):
+        if not needed.exists():
+            raise ProvisionError(f"{needed} is missing: run from a full checkout of the kit")
+    return sorted(p for p in RELAY_DIR.glob("*.py") if p.name != "provision.py")
 
 
-def setup(client: paramiko.SSHClient, args: argparse.Namespace) -> dict[str, str]:
+def setup(client: paramiko.SSHClient, args: argparse.Namespace, files: list[Path]) -> dict[str, str]:
     """Upload the code and the setup script to a fresh remote folder, run it, return its KIT_* values."""
     status, out, err = run_remote(client, "mktemp -d /tmp/kit-relay-upload.XXXXXX", args.timeout)
     if status != 0:
@@ -167,7 +167,7 @@ def setup(client: paramiko.SSHClient, args: argparse.Namespace) -> dict[str, str
         sftp = client.open_sftp()
         try:
             sftp.mkdir(f"{stage}/relay")
-            for f in relay_files():
+            for f in files:
                 upload(sftp, f, f"{stage}/relay/{f.name}")
             upload(sftp, SETUP_SCRIPT, f"{stage}/ec2_setup.sh")
         finally:
@@ -292,24 +292,33 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.getLogger("paramiko").addHandler(logging.NullHandler())  # its tracebacks would bury our one line
     try:
+        files = relay_files()
         client = connect(args)
         try:
-            values = setup(client, args)
+            values = setup(client, args, files)
         finally:
             client.close()
-        fingerprint = normalize_fingerprint(values["KIT_FINGERPRINT"])
+        try:
+            fingerprint = normalize_fingerprint(values["KIT_FINGERPRINT"])
+        except ValueError as e:
+            raise ProvisionError(f"the setup script reported a bad certificate fingerprint: {e}") from None
         token = values["KIT_TOKEN"]
         check_relay(args.host, args.port, fingerprint, token, args.timeout)
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        card = {"relay": f"{host}:{args.port}", "fingerprint": fingerprint, "token": token,
+                "session": f"kit-{secrets.token_hex(4)}",
+                "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        try:
+            write_card(args.card_file, card)
+        except OSError as e:
+            raise ProvisionError(f"the relay is up but the card could not be written to {args.card_file}: {e}; "
+                                 f"card: {json.dumps(card)}") from None
     except ProvisionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except (paramiko.SSHException, OSError, EOFError) as e:
         print(f"error: SSH connection to {args.host} lost: {e or type(e).__name__}", file=sys.stderr)
         return 1
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    card = {"relay": f"{host}:{args.port}", "fingerprint": fingerprint, "token": token,
-            "session": f"kit-{secrets.token_hex(4)}", "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    write_card(args.card_file, card)
     print(f"relay is up ({values.get('KIT_MODE', '?')}); relay card written to {args.card_file}:")
     print(f"  relay        {card['relay']}")
     print(f"  fingerprint  {card['fingerprint']}")
