@@ -1,8 +1,8 @@
 """relay.provision against a real sshd on 127.0.0.1: the setup script runs for real, the relay it starts is
 checked through TLS and the handshake, and a 2-stage run goes through it with the card.
 
-Needs root (the setup script creates a system user) and openssh-server; CI installs both.
-Every install goes to its own prefix under /tmp, so tests never touch /opt or /etc.
+Needs root and openssh-server; CI has both. Every install goes to its own prefix under /tmp, so tests never
+touch /opt or /etc/kit-relay; they do add the system user `kitrelay` (as the setup script does on a VM).
 """
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def keygen(path: Path, kind: str = "ed25519") -> str:
-    """Make a key pair at `path` and return its public key's SHA256 fingerprint."""
-    subprocess.run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-f", str(path)], check=True)
+def keygen(path: Path) -> str:
+    """Make an ed25519 key pair at `path` and return its public key's SHA256 fingerprint."""
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
     out = subprocess.run(["ssh-keygen", "-l", "-E", "sha256", "-f", f"{path}.pub"], check=True,
                          capture_output=True, text=True).stdout
     return out.split()[1]
