@@ -1,6 +1,7 @@
 """Helpers for the relay tests: a real `python -m relay` process, certificates, a recording proxy, raw sockets."""
 from __future__ import annotations
 
+import os
 import re
 import secrets
 import socket
@@ -55,7 +56,8 @@ class RelayProcess:
     def start(self) -> None:
         log = self.folder / f"relay-{len(self.logs)}-{secrets.token_hex(3)}.log"
         self.logs.append(log)
-        cmd = [sys.executable, "-m", "relay", "--host", "127.0.0.1", "--port", str(self.port), "--token-file",
+        python = os.environ.get("KIT_RELAY_PYTHON", sys.executable)  # the VM's python3 may be older (>= 3.8)
+        cmd = [python, "-m", "relay", "--host", "127.0.0.1", "--port", str(self.port), "--token-file",
                str(self.token_file), "--metrics-port", str(self.metrics_port), *self.args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log.open("w"))
         deadline = time.monotonic() + 20
