@@ -189,6 +189,11 @@ def main(args) -> int:
         raise SystemExit("error: --stages must be at least 2 (one process per stage)")
     if not (args.prompt or args.prompt_ids or args.prompts_file):
         raise SystemExit("error: give --prompt, --prompt-ids or --prompts-file")
+    from kit.load import CheckpointError, ConfigError, load_config
+    try:
+        load_config(args.target)  # a bad target fails here, once, before any process starts
+    except (CheckpointError, ConfigError) as e:
+        raise SystemExit(f"error: {e}")
     card = {}
     if args.relay_card:
         from kit.node import read_card

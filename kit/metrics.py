@@ -52,13 +52,14 @@ def summarize(rounds: list[dict]) -> dict:
 
 
 class MetricsWriter:
-    """Append rounds as they finish (a crash keeps what was written) and write the summary at the end."""
+    """Write rounds as they finish (a crash keeps what was written) and the summary at the end; a new
+    writer starts the folder's files afresh."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.rows: list[dict] = []
-        self._file = open(self.folder / "rounds.jsonl", "a", buffering=1)
+        self._file = open(self.folder / "rounds.jsonl", "w", buffering=1)
 
     def round(self, row: dict) -> None:
         self.rows.append(row)

@@ -575,7 +575,12 @@ def main(args) -> int:
 def drive(args, client, stage, folder, cfg, dtype, draft_device, graphs) -> int:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # a checkpoint without tokenizer files still runs on --prompt-ids
+        if not args.prompt_ids:
+            raise SystemExit(f"error: cannot load the tokenizer of {args.target}: {e}")
+        tokenizer = None
     prompts = prompts_of(args, tokenizer)
     try:
         drafter = make_drafter(args.draft, args.target, stage, dtype=dtype, device=draft_device, max_len=args.max_len)
@@ -599,11 +604,12 @@ def drive(args, client, stage, folder, cfg, dtype, draft_device, graphs) -> int:
                 partial = driver.partial
                 print(f"\nerror: {e}", file=sys.stderr)
                 if metrics:
-                    metrics.summary({"token_ids": partial, "text": tokenizer.decode(partial, skip_special_tokens=True),
+                    metrics.summary({"token_ids": partial,
+                                     "text": tokenizer.decode(partial, skip_special_tokens=True) if tokenizer else "",
                                      "finish_reason": "error", "error": str(e)})
                 code = 3
                 break
-            result["text"] = tokenizer.decode(result["token_ids"], skip_special_tokens=True)
+            result["text"] = tokenizer.decode(result["token_ids"], skip_special_tokens=True) if tokenizer else ""
             if progress:
                 progress.done()
             summary = metrics.summary(result, {"k": args.k, "depth": args.depth, "overlap": not args.no_overlap,
