@@ -227,6 +227,7 @@ def _cpu_model() -> str:
 
 
 def run(args: argparse.Namespace) -> dict:
+    load_before = os.getloadavg()[0]
     ctx = multiprocessing.get_context("spawn")
     payload = os.urandom(args.frame_kb * 1024)
     stream = args.stream_mb << 20
@@ -258,7 +259,8 @@ def run(args: argparse.Namespace) -> dict:
         "command": " ".join([Path(sys.executable).name] + sys.argv) if args.command is None else args.command,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "hardware": {"platform": platform.platform(), "machine": platform.machine(), "cpu": _cpu_model(),
-                     "cpu_count": os.cpu_count()},
+                     "cpu_count": os.cpu_count(),
+                     "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]},  # before, after
         "python": sys.version.split()[0],
         "frame_bytes": len(payload),
         "round_trips": args.round_trips,

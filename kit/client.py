@@ -17,9 +17,9 @@ import ssl
 import threading
 import time
 
-from relay.protocol import (HEADER_LEN, MAX_PAYLOAD, RELAY, AuthError, ErrorCode, Frame, FrameType, ProtocolError,
-                            clean_token, client_handshake, decode_error, encode_header, normalize_fingerprint,
-                            parse_header, pinned_tls_wrap, session_id)
+from relay.protocol import (HEADER_LEN, MAX_PAYLOAD, NONCE_LEN, RELAY, AuthError, ErrorCode, Frame, FrameType,
+                            ProtocolError, clean_token, client_handshake, decode_error, encode_header, encode_hello,
+                            normalize_fingerprint, parse_header, pinned_tls_wrap, session_id)
 
 RETRYABLE = (ErrorCode.RATE_LIMITED, ErrorCode.SHUTTING_DOWN, ErrorCode.HANDSHAKE_TIMEOUT)
 _LOST = object()  # inbox marker: the link is gone for good
@@ -130,6 +130,7 @@ class RelayClient:
         self.host, self.port = parse_address(address)
         if not 0 <= stage < stages:
             raise ValueError(f"stage {stage} is not in 0..{stages - 1}")
+        encode_hello(session, stages, bytes(NONCE_LEN))  # checks the name and stage count now, not at connect
         self.session, self.stage, self.stages = session, stage, stages
         self.sid = session_id(session)
         self._token = clean_token(token)
@@ -273,6 +274,13 @@ class RelayClient:
         return (entry[1] - t0) * 1000.0
 
     def _read_loop(self) -> None:
+        try:
+            self._read_until_lost()
+        except BaseException as e:  # a bug must not leave recv() waiting forever
+            self._fail(ConnectionLost(f"the relay reader failed: {e!r}"))
+            raise
+
+    def _read_until_lost(self) -> None:
         while True:
             wire, gen = self._wire, self._gen
             try:

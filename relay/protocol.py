@@ -112,7 +112,7 @@ def parse_header(buf, max_payload: int = MAX_PAYLOAD) -> tuple:
     if magic != MAGIC:
         raise ProtocolError(ErrorCode.BAD_MAGIC, f"bad magic {bytes(magic)!r}")
     if version != VERSION:
-        raise ProtocolError(ErrorCode.BAD_VERSION, f"unsupported protocol version {version} (this side speaks {VERSION})")
+        raise ProtocolError(ErrorCode.BAD_VERSION, f"protocol version {version} (this side speaks {VERSION})")
     try:
         ftype = FrameType(ftype)
     except ValueError:

@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from relay.protocol import (HEADER_LEN, MAC_LEN, MAX_HANDSHAKE_PAYLOAD, NONCE_LEN, RELAY, VERSION, ErrorCode,
+from relay.protocol import (HEADER_LEN, MAX_HANDSHAKE_PAYLOAD, NONCE_LEN, RELAY, VERSION, ErrorCode,
                             FrameType, ProtocolError, auth_mac, decode_hello, encode_control, encode_error,
                             encode_header, fingerprint_of_der, parse_header, session_id)
 

@@ -15,7 +15,7 @@ from relay.protocol import (DTYPES, HEADER_LEN, MAX_PAYLOAD, RELAY, ErrorCode, F
                             encode_tensor, encode_tokens, fingerprint_of_der, normalize_fingerprint, session_id)
 
 pytestmark = pytest.mark.timeout(300)
-SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 frames = st.builds(Frame, type=st.sampled_from(FrameType), src=st.integers(0, 255), dst=st.integers(0, 255),
                    round_id=st.integers(0, 2 ** 64 - 1), flags=st.integers(0, 2 ** 16 - 1),

@@ -15,7 +15,7 @@ from relay_helpers import (ROOT, RecordingProxy, RelayProcess, drain_until_close
                            raw_node)
 
 from kit.client import ConnectionLost, RelayClient
-from relay.protocol import (HEADER_LEN, RELAY, AuthError, ErrorCode, FingerprintMismatch, Frame, FrameType,
+from relay.protocol import (RELAY, AuthError, ErrorCode, FingerprintMismatch, Frame, FrameType,
                             client_handshake, decode_control, decode_error, decode_tensor, decode_tokens,
                             encode_control, encode_frame, encode_header, encode_hello, encode_tensor, encode_tokens,
                             normalize_fingerprint, pinned_tls_wrap, ProtocolError, read_frame, session_id)
