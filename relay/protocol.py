@@ -61,8 +61,9 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 14
 
 
-class ProtocolError(Exception):
-    """A peer broke the wire format; `code` is the ErrorCode to report."""
+class ProtocolError(ConnectionError):
+    """A peer broke the wire format or refused us; `code` is the ErrorCode. A ConnectionError, so that callers
+    that treat any connection failure alike (provisioning checks) need no special case."""
 
     def __init__(self, code: ErrorCode, message: str):
         super().__init__(message)
