@@ -8,12 +8,14 @@ the relay alone. Also timed: the same through TLS, and through the kit's own Rel
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import multiprocessing
 import os
 import platform
 import re
 import secrets
+import shlex
 import shutil
 import socket
 import ssl
@@ -164,7 +166,9 @@ class Relay:
         self.proc.wait(10)
 
 
-def _start(ctx, target, *args):
+def _start(ctx, name: str, *args):
+    # the child imports the target by module name: use `bench.relay_bench` whatever name this file was loaded as
+    target = getattr(importlib.import_module("bench.relay_bench"), name)
     ready = ctx.Event()
     proc = ctx.Process(target=target, args=(*args, ready), daemon=True)
     proc.start()
@@ -179,7 +183,7 @@ def _start(ctx, target, *args):
 def measure_raw(ctx, address: tuple, session: str | None, fingerprint: str | None, token: str, payload: bytes,
                 n: int, stream_bytes: int, listener: socket.socket | None = None) -> tuple:
     """Round-trip times and one-way MB/s between A (here) and B (a child process)."""
-    proc = _start(ctx, echo_raw, address, session, fingerprint, token)
+    proc = _start(ctx, "echo_raw", address, session, fingerprint, token)
     if listener is not None:
         sock, _ = listener.accept()
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -201,7 +205,7 @@ def measure_raw(ctx, address: tuple, session: str | None, fingerprint: str | Non
 def measure_client(ctx, address: tuple, fingerprint: str | None, token: str, payload: bytes, n: int) -> list:
     from kit.client import RelayClient
     addr = f"{address[0]}:{address[1]}"
-    proc = _start(ctx, echo_client, addr, "bench-client", fingerprint, token)
+    proc = _start(ctx, "echo_client", addr, "bench-client", fingerprint, token)
     times = []
     with RelayClient(addr, "bench-client", 0, 2, token, fingerprint) as a:
         for i in range(max(50, n // 10) + n):
@@ -214,6 +218,12 @@ def measure_client(ctx, address: tuple, fingerprint: str | None, token: str, pay
         a.send(1, FrameType.BYE)
     proc.join(10)
     return times[max(50, n // 10):]
+
+
+def _command_line() -> str:
+    first = Path(sys.argv[0])
+    head = ["-m", first.parent.name] if first.name == "__main__.py" else [sys.argv[0]]
+    return shlex.join(["python", *head, *sys.argv[1:]])
 
 
 def _cpu_model() -> str:
@@ -256,7 +266,7 @@ def run(args: argparse.Namespace) -> dict:
     added_p50 = round(through["p50_ms"] - direct["p50_ms"], 4)
     return {
         "benchmark": "relay",
-        "command": " ".join([Path(sys.executable).name] + sys.argv) if args.command is None else args.command,
+        "command": args.command or _command_line(),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "hardware": {"platform": platform.platform(), "machine": platform.machine(), "cpu": _cpu_model(),
                      "cpu_count": os.cpu_count(),
