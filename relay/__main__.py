@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         asyncio.run(serve(cfg, ctx, fingerprint))
     except OSError as e:
-        print(f"error: cannot listen on {args.host}:{args.port} (or metrics port {args.metrics_port}): {e}",
-              file=sys.stderr)
+        where = f"{args.host}:{args.port}" + (f" or metrics port {args.metrics_port}" if args.metrics_port else "")
+        print(f"error: cannot listen on {where}: {e}", file=sys.stderr)
         return 1
     return 0
 
