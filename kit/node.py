@@ -58,6 +58,15 @@ def from_payload(payload: bytes, device: torch.device) -> tuple[dict, torch.Tens
     return meta, t.view(shape).to(device)
 
 
+def memory_report() -> dict:
+    """Peak memory of this process: per CUDA device, and host RSS."""
+    import resource
+
+    gpus = {f"cuda:{i}": torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())
+            if torch.cuda.is_initialized()}
+    return {"peak_gpu_bytes": gpus, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -91,6 +100,8 @@ class StageServer:
                 if msg.get("op") == "who":
                     self.hello()
                 elif msg.get("op") == "end":
+                    self.client.send(0, FrameType.CONTROL, encode_control(
+                        {"op": "bye", "stage": self.index, **memory_report()}))
                     return
             elif f.type == FrameType.TENSOR:
                 self.on_tensor(f.payload)
@@ -229,8 +240,18 @@ class Driver:
                 if msg.get("op") == "hello":
                     self.boots[msg["stage"]] = msg["boot"]
 
-    def end(self) -> None:
+    def end(self, wait_s: float = 3.0) -> dict[int, dict]:
+        """End the session; returns each stage's memory report (stage 0's too)."""
         self.send_all({"op": "end"})
+        reports = {0: memory_report()}
+        deadline = time.monotonic() + wait_s
+        while len(reports) < self.n and time.monotonic() < deadline:
+            f = self.client.recv(timeout=0.2)
+            if f is not None and f.type == FrameType.CONTROL:
+                msg = decode_control(f.payload)
+                if msg.get("op") == "bye":
+                    reports[msg["stage"]] = {k: msg[k] for k in ("peak_gpu_bytes", "peak_rss_bytes")}
+        return reports
 
     # -- generation -------------------------------------------------------------------------------------
     def generate(self, prompt: list[int], opts: RunOptions, eos_ids: set[int], stop=None) -> dict:
@@ -626,7 +647,9 @@ def drive(args, client, stage, folder, cfg, dtype, draft_device, graphs) -> int:
         code = 3
     finally:
         if code == 0:
-            driver.end()
+            memory = driver.end()
+            if metrics:
+                (metrics.folder / "memory.json").write_text(json.dumps(memory, indent=1))
         client.close()
         if metrics:
             metrics.close()
