@@ -123,7 +123,7 @@ def stream(cmd: list[str], log_path: Path, on_line: Callable[[str], bool], timeo
     timer = threading.Timer(timeout_s, proc.kill)
     timer.start()
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    pending = ""
+    pending, shown = "", ""  # shown: the part of the current line already written (a progress bar)
     try:
         with open(log_path, "wb") as log:
             while chunk := os.read(proc.stdout.fileno(), 65536):
@@ -131,13 +131,14 @@ def stream(cmd: list[str], log_path: Path, on_line: Callable[[str], bool], timeo
                 log.flush()
                 *lines, pending = (pending + decoder.decode(chunk)).split("\n")
                 for line in lines:
-                    if not on_line(line):
+                    if shown or not on_line(line):
                         sys.stdout.write(line + "\n")
+                    shown = ""
                 if pending and not pending.startswith("{"):  # a progress bar redrawn with \r: show it now
                     sys.stdout.write(pending)
-                    pending = ""
+                    shown, pending = shown + pending, ""
                 sys.stdout.flush()
-        if pending:
+        if pending or shown:
             sys.stdout.write(pending + "\n")
         return proc.wait()
     finally:
@@ -184,6 +185,7 @@ def run_node(s: Settings) -> dict:
            "settings": {k: v for k, v in s.values.items() if not BY_NAME[k].secret}}
     (out / "run.json").write_text(json.dumps(run, indent=1))
     if code != 0:
-        raise RuntimeError(f"`kit node` exited with {code} after {run['seconds']:.0f} s "
-                           f"(output above, also in {out / f'node{s.stage}.log'})")
+        why = (f"was stopped after max_minutes={s.max_minutes:g}" if run["seconds"] >= s.max_minutes * 60
+               else f"exited with {code} after {run['seconds']:.0f} s")
+        raise RuntimeError(f"`kit node` {why} (output above, also in {out / f'node{s.stage}.log'})")
     return {**run, "results": results}
