@@ -61,11 +61,11 @@ class Generation:
 
 
 def finish(new: list[int], generated: int, max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], str | None]:
-    """Cut a verdict's committed tokens at the first EOS (kept) or at max_new_tokens."""
-    for i, t in enumerate(new):
+    """Cut a verdict's committed tokens at the first EOS (kept) or at max_new_tokens, whichever comes first."""
+    room = max(0, max_new_tokens - generated)
+    for i, t in enumerate(new[:room]):
         if t in eos_ids:
             return new[: i + 1], "eos"
-    room = max_new_tokens - generated
     if len(new) >= room:
         return new[:room], "length"
     return new, None
@@ -108,7 +108,7 @@ def generate(runners: list[StageRunner], drafter, prompt: list[int], *, max_new_
             result.finish_reason = "length"
             break
         want = adaptive.choose() if adaptive else k
-        want = max(0, min(want, max_new_tokens - len(out) - 1, max_len - n))
+        want = max(0, min(want, max_new_tokens - len(out) - 1, max_len - n - 1))  # context never passes max_len
         t1 = time.perf_counter()
         drafts = drafter.propose(context, want) if want else []
         t2 = time.perf_counter()
@@ -118,10 +118,14 @@ def generate(runners: list[StageRunner], drafter, prompt: list[int], *, max_new_
         if adaptive:
             adaptive.update(len(drafts), accepted)
         new, reason = finish(drafts[:accepted] + [nxt], len(out), max_new_tokens, eos_ids)
-        if stop and reason is None:
-            cut = stop(out + new)
-            if cut is not None:
-                new, reason = (out + new)[:cut][len(out):], "stop"
+        if stop:  # asked after each token, as target-only decoding asks it; EOS or the limit end the last one
+            for i in range(1, len(new) + (reason is None)):
+                cut = stop(out + new[:i])
+                if cut is not None:
+                    kept = (out + new[:i])[:cut]
+                    new, reason = kept[len(out):], "stop"
+                    del out[len(kept):]  # the cut may fall inside tokens committed in earlier rounds
+                    break
         out += new
         context += new
         if not result.rounds:
