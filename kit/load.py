@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -84,7 +85,12 @@ def gguf_to_folder(path: str) -> Path:
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    os.replace(tmp, out)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process (a stage beside this one) finished the same conversion first
+        if not (out / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp)
     return out
 
 
@@ -122,7 +128,7 @@ def stage_tensor_names(cfg: ModelConfig, start: int, end: int, first: bool, last
     if last:
         wanted["norm.weight"] = "model.norm.weight"
         head = "lm_head.weight"
-        wanted["lm_head.weight"] = head if head in names and not cfg.tie_embeddings else "model.embed_tokens.weight"
+        wanted["lm_head.weight"] = "model.embed_tokens.weight" if cfg.tie_embeddings else head
     return wanted
 
 
@@ -137,6 +143,8 @@ def load_stage(source: str, start: int, end: int, *, first: bool | None = None, 
     """
     folder = resolve(source)
     cfg = load_config(str(folder))
+    if not 0 <= start < end <= cfg.n_layers:
+        raise ValueError(f"layer range [{start}, {end}) is outside the model's {cfg.n_layers} layers")
     first = start == 0 if first is None else first
     last = end == cfg.n_layers if last is None else last
     devices = [torch.device(d) for d in (layer_devices or ["cpu"] * (end - start))]
@@ -164,7 +172,9 @@ def read_tensors(source: str, stage: Stage, names: list[str], *, dtype: torch.dt
     devices = devices or [torch.device(device or "cpu")] * len(stage.layers)
     wmap = weight_map(folder)
     mapping = stage_tensor_names(cfg, stage.start, stage.end, stage.first, stage.last, set(wmap))
-    absent = sorted(n for n in names if n not in mapping) + sorted(mapping[n] for n in names if n in mapping and mapping[n] not in wmap)
+    wanted = [mapping.get(n) or f"model.layers.{stage.start + int(n.split('.')[1])}.{n.split('.', 2)[2]}"
+              for n in names]  # a layer tensor absent from the checkpoint is absent from `mapping` too
+    absent = sorted(w for w in wanted if w not in wmap)
     if absent:
         raise CheckpointError(f"checkpoint {folder} is partial: missing {', '.join(absent[:5])}"
                               + (" ..." if len(absent) > 5 else ""))
