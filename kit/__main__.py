@@ -43,6 +43,7 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-dir", help="write rounds.jsonl and summary.json here")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of the text")
     g.add_argument("--quiet", action="store_true", help="no live progress line")
+    g.add_argument("--stream", action="store_true", help="print the answer as it is generated (not with --json)")
     g.add_argument("--stage-timeout", type=float, default=60.0,
                    help="seconds a stage may stay away before the run ends with an error (default: 60)")
     g.add_argument("--ready-timeout", type=float, default=900.0,
@@ -66,6 +67,8 @@ def parser() -> argparse.ArgumentParser:
     n.add_argument("--token-file", help="file holding the session token (or from --relay-card)")
     n.add_argument("--fingerprint", help="relay TLS certificate SHA-256 fingerprint to pin (enables TLS)")
     n.add_argument("--layers", help="this stage's layer range START:END (default: an even split)")
+    n.add_argument("--idle-timeout", type=float, default=None,
+                   help="stages 1..N-1: leave after this many seconds without a frame from the ring (default: never)")
     add_model_args(node)
     add_generation_args(node)
 

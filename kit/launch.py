@@ -173,7 +173,7 @@ def stage0_args(args) -> list[str]:
     for s in args.stop or []:
         out += ["--stop", s]
     for flag, on in (("--raw", args.raw), ("--adaptive-k", args.adaptive_k), ("--no-overlap", args.no_overlap),
-                     ("--json", args.json), ("--quiet", args.quiet)):
+                     ("--json", args.json), ("--quiet", args.quiet), ("--stream", args.stream)):
         if on:
             out.append(flag)
     for opt, val in (("--prompt-ids", args.prompt_ids), ("--prompts-file", args.prompts_file),

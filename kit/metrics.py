@@ -1,9 +1,10 @@
 """Per-round JSON lines, a run summary, and the live one-line progress display.
 
 Files in a metrics folder (read by notebooks/results.ipynb):
-  rounds.jsonl   one object per round: round, t (s since the run began), k, accepted, committed,
-                 draft_ms, stage_ms [per stage], network_ms, round_ms, bytes_out, bytes_in
-  summary.json   the run's result (as `kit run --json` prints it) plus the round statistics below
+  rounds.jsonl   one object per round: round, prompt (index), t (s since that prompt began), k, accepted,
+                 committed, draft_ms, stage_ms [per stage], network_ms, round_ms, bytes_out, bytes_in
+  summary.json   the last prompt's result (as `kit run --json` prints it) plus its round statistics
+  prompts.jsonl  one such summary per prompt
 """
 from __future__ import annotations
 
@@ -58,8 +59,12 @@ class MetricsWriter:
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.rows: list[dict] = []
+        self.rows: list[dict] = []  # this prompt's rounds
         self._file = open(self.folder / "rounds.jsonl", "w", buffering=1)
+        (self.folder / "prompts.jsonl").write_text("")
+
+    def start_prompt(self) -> None:
+        self.rows = []
 
     def round(self, row: dict) -> None:
         self.rows.append(row)
@@ -72,6 +77,8 @@ class MetricsWriter:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=1))
         tmp.replace(path)
+        with open(self.folder / "prompts.jsonl", "a") as f:
+            f.write(json.dumps(doc) + "\n")
         return doc
 
     def close(self) -> None:
@@ -83,6 +90,9 @@ class Progress:
 
     def __init__(self, stream=sys.stderr, every_s: float = 0.2):
         self.stream, self.every_s = stream, every_s
+        self.start()
+
+    def start(self) -> None:
         self.t0 = time.perf_counter()
         self.tokens = self.rounds = 0
         self.shown = 0.0

@@ -89,12 +89,17 @@ class StageServer:
     def hello(self) -> None:
         self.client.send(0, FrameType.CONTROL, encode_control({"op": "hello", "stage": self.index, "boot": self.boot}))
 
-    def serve(self) -> None:
+    def serve(self, idle_timeout: float | None = None) -> bool:
+        """Serve until node 0 ends the session (True) or nothing comes for idle_timeout seconds (False)."""
         self.hello()
+        heard = time.monotonic()
         while True:
             f = self.client.recv(timeout=1.0)
             if f is None:
+                if idle_timeout and time.monotonic() - heard > idle_timeout:
+                    return False
                 continue
+            heard = time.monotonic()
             if f.type == FrameType.CONTROL:
                 msg = decode_control(f.payload)
                 if msg.get("op") == "who":
@@ -102,7 +107,7 @@ class StageServer:
                 elif msg.get("op") == "end":
                     self.client.send(0, FrameType.CONTROL, encode_control(
                         {"op": "bye", "stage": self.index, **memory_report()}))
-                    return
+                    return True
             elif f.type == FrameType.TENSOR:
                 self.on_tensor(f.payload)
             elif f.type == FrameType.ERROR:
@@ -207,17 +212,19 @@ class Driver:
     """Node 0: prefill, then rounds of draft -> stage 0 -> ring -> verdict, with overlap and rounds in flight."""
 
     def __init__(self, client: RelayClient, stage: Stage, drafter, *, graphs: bool | None = None,
-                 metrics: MetricsWriter | None = None, progress: Progress | None = None, log=sys.stderr):
+                 metrics: MetricsWriter | None = None, progress: Progress | None = None, log=sys.stderr,
+                 on_tokens=None):
         self.client, self.stage, self.drafter = client, stage, drafter
         self.runner = StageRunner(stage, graphs)
         self.n = client.stages
-        self.metrics, self.progress, self.log = metrics, progress, log
+        self.metrics, self.progress, self.log, self.on_tokens = metrics, progress, log, on_tokens
         self.boots: dict[int, str] = {}
         self.gen = 0
         self.rid = 0
         self.last_reconnects = client.reconnects
         self.pending_spec: tuple[list[int], list[int]] | None = None
         self.partial: list[int] = []
+        self.prompt_index = -1
 
     def send_all(self, msg: dict) -> None:
         for i in range(1, self.n):
@@ -260,6 +267,11 @@ class Driver:
         t0 = time.perf_counter()
         adaptive = AdaptiveK(k_min=1, k_max=max(1, opts.k)) if opts.adaptive else None
         context, out = list(prompt), []
+        self.prompt_index += 1
+        if self.metrics:
+            self.metrics.start_prompt()
+        if self.progress:
+            self.progress.start()
         self.partial = out  # what an interrupted run saves
         self.first_token_at = None
         self.rounds = 0
@@ -291,6 +303,8 @@ class Driver:
                     new, reason = (out + new)[:cut][len(out):], "stop"
             out += new
             context += new
+            if self.on_tokens:
+                self.on_tokens(out)
             now = time.perf_counter()
             if self.first_token_at is None:
                 self.first_token_at = now
@@ -426,7 +440,7 @@ class Driver:
     def record(self, f: Flight, vmeta: dict, new: list[int], now: float, t0: float) -> None:
         round_ms = (now - f.sent_at) * 1000
         stage_ms = vmeta.get("stage_ms", [])
-        row = {"round": f.rid, "t": round(now - t0, 6), "k": len(f.drafts), "accepted": vmeta["accepted"],
+        row = {"round": f.rid, "prompt": self.prompt_index, "t": round(now - t0, 6), "k": len(f.drafts), "accepted": vmeta["accepted"],
                "committed": len(new), "draft_ms": f.draft_ms, "stage_ms": stage_ms,
                "network_ms": max(0.0, round_ms - f.draft_ms - sum(stage_ms)), "round_ms": round_ms,
                "bytes_out": len(f.payload), "bytes_in": 8 + 4 * (vmeta["accepted"] + 1)}
@@ -586,10 +600,12 @@ def main(args) -> int:
     if args.stage != 0:
         print(f"[stage {args.stage}] layers {start}-{end - 1} ready; serving", file=sys.stderr)
         try:
-            StageServer(client, stage, graphs=graphs).serve()
+            ended = StageServer(client, stage, graphs=graphs).serve(args.idle_timeout)
         finally:
             client.close()
-        return 0
+        if not ended:
+            print(f"[stage {args.stage}] nothing from stage 0 for {args.idle_timeout:g} s; leaving", file=sys.stderr)
+        return 0 if ended else 4
     return drive(args, client, stage, folder, cfg, dtype, draft_device, graphs)
 
 
@@ -608,8 +624,10 @@ def drive(args, client, stage, folder, cfg, dtype, draft_device, graphs) -> int:
     except (CheckpointError, ConfigError, ValueError) as e:
         raise SystemExit(f"error: {e}")
     metrics = MetricsWriter(args.metrics_dir) if args.metrics_dir else None
-    progress = Progress() if not args.quiet else None
-    driver = Driver(client, stage, drafter, graphs=graphs, metrics=metrics, progress=progress)
+    progress = Progress() if not args.quiet and not args.stream else None
+    streamer = TextStream(tokenizer) if args.stream and tokenizer is not None else None
+    driver = Driver(client, stage, drafter, graphs=graphs, metrics=metrics, progress=progress,
+                    on_tokens=streamer.update if streamer else None)
     sampling = Sampling(args.temperature, args.top_p, args.top_k, args.seed)
     opts = RunOptions(args.max_new_tokens, args.k, args.adaptive_k, args.depth, not args.no_overlap, sampling,
                       stage_timeout_s=args.stage_timeout)
@@ -635,9 +653,11 @@ def drive(args, client, stage, folder, cfg, dtype, draft_device, graphs) -> int:
                 progress.done()
             summary = metrics.summary(result, {"k": args.k, "depth": args.depth, "overlap": not args.no_overlap,
                                                "draft": args.draft, "stages": args.stages}) if metrics else result
+            if streamer:
+                streamer.done()
             if args.json:
                 print(json.dumps({k: result[k] for k in JSON_KEYS}), flush=True)
-            else:
+            elif not streamer:
                 print(result["text"], flush=True)
                 print(f"[kit] {result['generated_tokens']} tokens, {summary['tps']:.1f} tok/s, "
                       f"{result['tokens_per_round']:.2f} tokens/round, TTFT {result['ttft_ms']:.0f} ms",
@@ -654,6 +674,26 @@ def drive(args, client, stage, folder, cfg, dtype, draft_device, graphs) -> int:
         if metrics:
             metrics.close()
     return code
+
+
+class TextStream:
+    """Print the answer as rounds commit it (decoding the whole answer each time keeps multi-token
+    characters whole)."""
+
+    def __init__(self, tokenizer, stream=sys.stdout):
+        self.tokenizer, self.stream, self.shown = tokenizer, stream, ""
+
+    def update(self, ids: list[int]) -> None:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if text.startswith(self.shown) and not text.endswith("\ufffd"):
+            self.stream.write(text[len(self.shown):])
+            self.stream.flush()
+            self.shown = text
+
+    def done(self) -> None:
+        self.stream.write("\n")
+        self.stream.flush()
+        self.shown = ""
 
 
 JSON_KEYS = ("token_ids", "text", "prompt_tokens", "generated_tokens", "rounds", "tokens_per_round", "tps",
