@@ -71,6 +71,22 @@ def finish(new: list[int], generated: int, max_new_tokens: int, eos_ids: set[int
     return new, None
 
 
+def commit(out: list[int], verdict: list[int], max_new_tokens: int, eos_ids: set[int],
+           stop: Callable[[list[int]], int | None] | None = None) -> str | None:
+    """Append a verdict's tokens to `out` (in place) as target-only decoding would have produced them:
+    up to the first EOS (kept) or max_new_tokens, and up to where `stop` cuts, asked after each token
+    (the cut may fall inside earlier rounds' tokens). Returns the finish reason, or None to go on."""
+    new, reason = finish(verdict, len(out), max_new_tokens, eos_ids)
+    if stop:  # EOS or the limit end the last token, so stop is not asked about it
+        for i in range(1, len(new) + (reason is None)):
+            cut = stop(out + new[:i])
+            if cut is not None:
+                out[:] = (out + new[:i])[:cut]
+                return "stop"
+    out += new
+    return reason
+
+
 def prefill(runners: list[StageRunner], ids: list[int], chunk: int = 256) -> None:
     """Write ids into every stage's cache from slot 0, a chunk at a time (eagerly: shapes vary)."""
     dev = runners[0].stage.device
@@ -117,20 +133,12 @@ def generate(runners: list[StageRunner], drafter, prompt: list[int], *, max_new_
         t3 = time.perf_counter()
         if adaptive:
             adaptive.update(len(drafts), accepted)
-        new, reason = finish(drafts[:accepted] + [nxt], len(out), max_new_tokens, eos_ids)
-        if stop:  # asked after each token, as target-only decoding asks it; EOS or the limit end the last one
-            for i in range(1, len(new) + (reason is None)):
-                cut = stop(out + new[:i])
-                if cut is not None:
-                    kept = (out + new[:i])[:cut]
-                    new, reason = kept[len(out):], "stop"
-                    del out[len(kept):]  # the cut may fall inside tokens committed in earlier rounds
-                    break
-        out += new
-        context += new
+        before = len(out)
+        reason = commit(out, drafts[:accepted] + [nxt], max_new_tokens, eos_ids, stop)
+        context[len(prompt):] = out
         if not result.rounds:
             result.ttft_ms = (t3 - t0) * 1000
-        result.rounds.append(Round(len(drafts), accepted, len(new), (t2 - t1) * 1000, (t3 - t2) * 1000))
+        result.rounds.append(Round(len(drafts), accepted, len(out) - before, (t2 - t1) * 1000, (t3 - t2) * 1000))
         if reason:
             result.finish_reason = reason
             break

@@ -27,7 +27,7 @@ import torch
 
 from kit.client import RelayClient
 from kit.draft import check_same_tokenizer, make_drafter
-from kit.generate import AdaptiveK, finish
+from kit.generate import AdaptiveK, commit
 from kit.graphs import StageRunner
 from kit.load import CheckpointError, load_config, load_stage, parse_dtype, resolve
 from kit.metrics import MetricsWriter, Progress
@@ -296,13 +296,10 @@ class Driver:
             progress_at = time.monotonic()
             f = flights.popleft()
             accepted = vmeta["accepted"]
-            new, reason = finish(ids, len(out), opts.max_new_tokens, eos_ids)
-            if stop and reason is None:
-                cut = stop(out + new)
-                if cut is not None:
-                    new, reason = (out + new)[:cut][len(out):], "stop"
-            out += new
-            context += new
+            before = len(out)
+            reason = commit(out, ids, opts.max_new_tokens, eos_ids, stop)
+            new = out[before:]
+            context[len(prompt):] = out
             if self.on_tokens:
                 self.on_tokens(out)
             now = time.perf_counter()
