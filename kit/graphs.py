@@ -2,23 +2,91 @@
 
 A round always writes T tokens as a chain starting at some cache slot; only the inputs and the start
 change, so the positions, slots and mask are computed on the device from one start tensor and the
-whole pass replays without host work.
+whole pass replays without host work. Attention covers the first S cache slots, S the power of two
+(at least 256) that holds the chain, so short contexts do not pay for the whole cache: one graph per
+(T, S), at most log2(max_len / 128) of them per token count.
+
+With `compile`, the pass is first fused by `torch.compile` (q/k/v and gate/up joined, elementwise
+work folded into few kernels) and the compiled code is then captured into the same CUDA graph, as
+gpt-fast does: the graph removes launch gaps, the compiler removes launches. S is a dynamic size to
+the compiler, so every S shares one compilation (S = max_len, a full-cache slice, gets its own).
 """
 from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 
 from kit.model import Stage
 
+MIN_SPAN = 256
+
+
+def span(n: int, max_len: int) -> int:
+    """Cache slots a graph attends over to hold n: the next power of two, at least MIN_SPAN, at most max_len."""
+    return min(max_len, max(MIN_SPAN, 1 << (n - 1).bit_length()))
+
+
+def compile_mode(stage: Stage, compile: bool | str | None) -> str | None:
+    """The torch.compile mode for `stage`'s graphs, or None for none; joins the stage's projections
+    (`Stage.fuse`) when it compiles. NF4 stages are not compiled: bitsandbytes does not trace.
+
+    `compile`: True (default mode), a mode name, False, or None for the KIT_COMPILE environment
+    variable (0/1 or a mode name), off when unset."""
+    if compile is None:
+        compile = os.environ.get("KIT_COMPILE", "0")
+        compile = {"0": False, "1": True, "": False}.get(compile, compile)
+    if not compile or stage.device.type != "cuda" or not stage.fuse():
+        return None
+    return "default" if compile is True else compile
+
+
+def compiled(fn: Callable, mode: str) -> Callable:
+    """`fn` compiled whole (no graph breaks) for fixed shapes but the attention span."""
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))  # one per token count
+    return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+
+
+@contextmanager
+def scratch_tail(stage: Stage, n: int) -> Iterator[None]:
+    """Warm-up and capture run the pass for real on the last n cache slots: keep what they held."""
+    caches = [*stage.k_caches, *stage.v_caches]
+    saved = [c[:, :, -n:].clone() for c in caches]
+    try:
+        yield
+    finally:
+        for c, s in zip(caches, saved):
+            c[:, :, -n:].copy_(s)
+
+
+def capture(fn: Callable, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Warm `fn` up (compiling it if it is compiled) on a side stream, then capture it; returns (graph, output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
 
 class StageRunner:
     """Run `stage` on T new tokens at `start`: rewinds the cache to start, leaves it at start + T."""
 
-    def __init__(self, stage: Stage, graphs: bool | None = None):
+    def __init__(self, stage: Stage, graphs: bool | None = None, compile: bool | str | None = None):
         self.stage = stage
+        self.device = stage.device
         one_device = len({layer.input_layernorm.weight.device for layer in stage.layers}) == 1
-        self.graphs = (stage.device.type == "cuda" and one_device) if graphs is None else graphs
-        self._captured: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.graphs = (self.device.type == "cuda" and one_device) if graphs is None else graphs
+        self.compile = compile_mode(stage, compile) if self.graphs else None
+        self._pass_fn = compiled(self._pass, self.compile) if self.compile else self._pass
+        self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._pool = None
 
     def __call__(self, x: torch.Tensor, start: int) -> torch.Tensor:
@@ -30,35 +98,28 @@ class StageRunner:
             return stage.step(x)
         if start + T > stage.max_len:
             raise ValueError(f"KV cache full: {start} + {T} tokens > {stage.max_len} slots")
-        if T not in self._captured:
-            self._capture(T, x)
-        graph, x_in, start_in, out = self._captured[T]
+        key = (T, span(start + T, stage.max_len))
+        if key not in self._captured:
+            self._capture(*key, x)
+        graph, x_in, start_in, out = self._captured[key]
         x_in.copy_(x, non_blocking=True)
         start_in.fill_(start)
         graph.replay()
         stage.length = start + T
         return out
 
-    def _pass(self, x: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        dev = self.stage.device
-        pos = start + torch.arange(x.shape[0] if self.stage.first else x.shape[1], device=dev)
-        mask = torch.arange(self.stage.max_len, device=dev)[None, :] <= pos[:, None]
-        return self.stage(x, pos, pos, mask)
+    def _pass(self, x: torch.Tensor, start: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        pos = start + torch.arange(x.shape[0] if self.stage.first else x.shape[1], device=self.device)
+        return self.stage(x, pos, pos, slots[None, :] <= pos[:, None])
 
-    def _capture(self, T: int, example: torch.Tensor) -> None:
+    def _capture(self, T: int, S: int, example: torch.Tensor) -> None:
         stage = self.stage
         x_in = torch.zeros_like(example)
-        # warm-up and capture write slots at the end of the cache, which hold nothing valid yet
-        start_in = torch.full((1,), stage.max_len - T, dtype=torch.long, device=stage.device)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._pass(x_in, start_in)
-        torch.cuda.current_stream().wait_stream(side)
+        start_in = torch.full((1,), stage.max_len - T, dtype=torch.long, device=self.device)
+        slots = torch.arange(S, device=self.device)
+        torch._dynamo.maybe_mark_dynamic(slots, 0)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self._pass(x_in, start_in)
-        self._captured[T] = (graph, x_in, start_in, out)
+        with scratch_tail(stage, T):
+            graph, out = capture(lambda: self._pass_fn(x_in, start_in, slots), self._pool)
+        self._captured[T, S] = (graph, x_in, start_in, out)

@@ -135,13 +135,23 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        if self.qkv is None:
+            self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x, cos, sin, mask, slots, k_cache, v_cache) -> torch.Tensor:
         # x: [1, T, D]; mask: [T, S] bool; slots: [T]; caches: [1, G, max_len, E]
         T = x.shape[1]
-        q = self.q_proj(x).view(1, T, self.n_heads, self.hd)
-        k = self.k_proj(x).view(1, T, self.n_kv, self.hd)
-        v = self.v_proj(x).view(1, T, self.n_kv, self.hd)
+        if self.qkv is not None:
+            q, k, v = linear(x, *self.qkv).split([self.n_heads * self.hd, self.n_kv * self.hd,
+                                                  self.n_kv * self.hd], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(1, T, self.n_heads, self.hd)
+        k = k.view(1, T, self.n_kv, self.hd)
+        v = v.view(1, T, self.n_kv, self.hd)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, heads, T, E]
@@ -149,10 +159,54 @@ class Attention(nn.Module):
         k_cache.index_copy_(2, slots, k)
         v_cache.index_copy_(2, slots, v)
         S = mask.shape[-1]
-        y = F.scaled_dot_product_attention(
-            q, k_cache[:, :, :S], v_cache[:, :, :S], attn_mask=mask, enable_gqa=self.n_heads != self.n_kv
-        )  # [1, H, T, E]
-        return self.o_proj(y.transpose(1, 2).reshape(1, T, self.n_heads * self.hd))
+        y = attend(q, k_cache[:, :, :S], v_cache[:, :, :S], mask).transpose(1, 2).reshape(1, T, -1)
+        return self.o_proj(y) if self.qkv is None else linear(y, self.o_proj.weight, self.o_proj.bias)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of q [1, H, T, E] over k, v [1, G, S, E] where mask [T, S] is True.
+
+    The H/G query heads that share a kv head are stacked as extra query rows, so each kv head is read
+    once and never repeated; scores and softmax in fp32, as `transformers`' eager attention does."""
+    _, H, T, E = q.shape
+    G, S = k.shape[1], k.shape[2]
+    scores = (q.reshape(1, G, H // G * T, E) @ k.transpose(2, 3)).float() * E ** -0.5
+    scores = scores.view(1, G, H // G, T, S).masked_fill(~mask, float("-inf"))
+    p = torch.softmax(scores, dim=-1).to(v.dtype).view(1, G, H // G * T, S)
+    return (p @ v).view(1, H, T, E)
+
+
+def one_token_compiled(x: torch.Tensor) -> bool:
+    return x.shape[-2] == 1 and torch.compiler.is_compiling()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias), for layers whose projections are joined (`Stage.fuse`).
+
+    For one token under torch.compile it is written as a sum of products: the compiler makes it one
+    reduction kernel over all output rows, fused with what surrounds it, where cuBLAS runs a 0.5B
+    drafter's matrix-vector products at a fraction of the memory bandwidth. fp32 accumulation either way."""
+    if one_token_compiled(x):
+        y = (x.unsqueeze(-2).float() * weight.float()).sum(-1)
+        return (y if bias is None else y + bias.float()).to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for linear maps of the same input: one matmul reads them all.
+
+    Each map's parameters become views of the joint tensor, so names, memory and in-place loading
+    stay as they were; replacing a parameter object afterwards would not reach the joint tensor."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    bias = torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None
+    at = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[at:at + n], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[at:at + n], requires_grad=False)
+        at += n
+    return weight, bias
 
 
 class MLP(nn.Module):
@@ -161,9 +215,20 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up: tuple[torch.Tensor, None] | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        if self.gate_up is None:
+            self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if one_token_compiled(x):  # two reductions over the same x, fused with silu(gate) * up
+            gate, up = linear(x, self.gate_proj.weight), linear(x, self.up_proj.weight)
+        else:
+            gate, up = F.linear(x, self.gate_up[0]).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class Block(nn.Module):
@@ -231,6 +296,20 @@ class Stage(nn.Module):
         if not 0 <= n <= self.max_len:
             raise ValueError(f"cannot rewind to {n}: cache holds {self.max_len} slots")
         self.length = n
+
+    def fuse(self) -> bool:
+        """Join q/k/v and gate/up into one matmul each (fewer, larger kernels on a GPU); the joined
+        layers then use their weights as plain tensors (`linear`). Layers whose linear maps are not
+        plain `nn.Linear` (NF4) stay as they are; returns whether all were fused."""
+        fused = True
+        for layer in self.layers:
+            for part, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
+                if all(type(getattr(part, n)) is nn.Linear for n in names):
+                    part.fuse()
+                else:
+                    fused = False
+        return fused
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
                 head: bool = True) -> torch.Tensor:
