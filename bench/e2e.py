@@ -223,7 +223,7 @@ def main(argv: list[str]) -> int:
     n_gpu = torch.cuda.device_count()
     devices = [f"cuda:{i}" for i in range(min(n_gpu, 2))] if cuda else ["cpu"]
     shape = a.shape or ("qwen2.5-7b" if cuda else "smollm2")
-    configs = (a.configs or ("plain,spec,no-overlap,depth2,depth3" + (",nf4-14b" if cuda and shape != "smollm2"
+    configs = (a.configs or ("spec,plain,no-overlap,depth2,depth3" + (",nf4-14b" if cuda and shape != "smollm2"
                                                                        else ""))).split(",")
     work = Path(a.work or tempfile.mkdtemp(prefix="kit-e2e-"))
     floors = {}
@@ -265,11 +265,14 @@ def main(argv: list[str]) -> int:
                                        + c14.vocab_size * c14.hidden_size * 2) / bw[-1] * 1000
     out = {"command": "python -m kit bench e2e " + " ".join(argv), "shape": shape, "acceptance": acceptance,
            "rtt_ms": a.rtt_ms, "k": a.k, "max_new_tokens": a.max_new_tokens,
+           "kit_compile": os.environ.get("KIT_COMPILE", "0"),
            "hardware": {"gpus": [torch.cuda.get_device_name(i) for i in range(n_gpu)], "cpu": platform.processor(),
                         "cpus": os.cpu_count(), "platform": platform.platform(), "stage_devices": devices},
            "versions": {"python": platform.python_version(), "torch": torch.__version__,
                         "cuda": torch.version.cuda, "transformers": __import__("transformers").__version__},
            "floors": floors, "configs": {}}
+    dest = Path(a.out or ROOT / "bench" / "results" / f"e2e_{shape}_{'gpu' if cuda else 'cpu'}.json")
+    dest.parent.mkdir(parents=True, exist_ok=True)
     for name in configs:
         tgt = str(work / "qwen2.5-14b") if name == "nf4-14b" else target
         print(f"[e2e] {name} ...", file=sys.stderr)
@@ -284,6 +287,7 @@ def main(argv: list[str]) -> int:
               f"round {s['round_ms']:.1f} ms = draft {s['draft_ms']:.1f} + stages "
               f"{'+'.join(f'{x:.1f}' for x in s['stage_ms'])} + other {s['other_ms']:.1f} + rtt {a.rtt_ms:g}",
               file=sys.stderr)
+        dest.write_text(json.dumps(out, indent=1))  # a run cut short keeps the configurations already done
     ok = [c for c in out["configs"].values() if "error" not in c]
     ids = {c["name"]: [r["token_ids"] for r in c["results"]] for c in ok}
     out["identical_outputs"] = len({json.dumps(v) for k, v in ids.items() if k != "nf4-14b"}) <= 1
@@ -292,8 +296,6 @@ def main(argv: list[str]) -> int:
         out["projection"] = {"label": "projection, not a measurement: reference tokens per round over our measured "
                                       "round time", "tokens_per_round": 4.07, "round_ms": s["round_ms"],
                              "tps": 4.07 / s["round_ms"] * 1000, "reference_tps": 20.3}
-    dest = Path(a.out or ROOT / "bench" / "results" / f"e2e_{shape}_{'gpu' if cuda else 'cpu'}.json")
-    dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(out, indent=1))
     print(f"[e2e] wrote {dest}", file=sys.stderr)
     return 0 if len(ok) == len(configs) and out["identical_outputs"] else 1

@@ -76,6 +76,19 @@ def capture(fn: Callable, pool) -> tuple[torch.cuda.CUDAGraph, object]:
     return graph, out
 
 
+def padded(T: int) -> int:
+    """Token counts are rounded up to 2^k + 1 (K + 1 for K = 0, 1, 2, 4, 8, ...), so a round shortened
+    near the end of an answer reuses a captured (and compiled) graph instead of making a new one."""
+    return 1 if T <= 1 else (1 << (T - 2).bit_length()) + 1
+
+
+def pad(x: torch.Tensor, P: int, ids: bool) -> torch.Tensor:
+    T = x.shape[0] if ids else x.shape[1]
+    if P == T:
+        return x
+    return torch.cat([x, x.new_zeros(P - T)]) if ids else torch.cat([x, x.new_zeros(1, P - T, x.shape[2])], 1)
+
+
 class StageRunner:
     """Run `stage` on T new tokens at `start`: rewinds the cache to start, leaves it at start + T."""
 
@@ -98,15 +111,19 @@ class StageRunner:
             return stage.step(x)
         if start + T > stage.max_len:
             raise ValueError(f"KV cache full: {start} + {T} tokens > {stage.max_len} slots")
-        key = (T, span(start + T, stage.max_len))
+        P = padded(T) if start + padded(T) <= stage.max_len else T
+        key = (P, span(start + P, stage.max_len))
         if key not in self._captured:
-            self._capture(*key, x)
+            self._capture(*key, pad(x, P, stage.first))
         graph, x_in, start_in, out = self._captured[key]
-        x_in.copy_(x, non_blocking=True)
+        if stage.first:
+            x_in[:T].copy_(x, non_blocking=True)
+        else:
+            x_in[:, :T].copy_(x, non_blocking=True)
         start_in.fill_(start)
         graph.replay()
-        stage.length = start + T
-        return out
+        stage.length = start + T  # the padding's cache slots lie past the valid length
+        return out if P == T else out[:, :T]
 
     def _pass(self, x: torch.Tensor, start: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         pos = start + torch.arange(x.shape[0] if self.stage.first else x.shape[1], device=self.device)
