@@ -130,6 +130,7 @@ def copy_bandwidth(device: str) -> float:
     """Device-to-device copy, bytes read + written per second."""
     if not device.startswith("cuda"):
         return 0.0
+    torch.cuda.set_device(torch.device(device))  # events time the current device's stream
     x = torch.randn(256 << 20, device=device, dtype=torch.float16)  # 512 MiB
     y = torch.empty_like(x)
     for _ in range(3):
@@ -171,7 +172,8 @@ def run_config(name: str, target: str, draft: str, devices: list[str], prompt_ar
         if nf4:
             common.append("--load-in-4bit")
         t0 = time.time()
-        with LocalCluster(2, tmp, rtt_ms=a.rtt_ms) as cluster:
+        metrics.mkdir(parents=True, exist_ok=True)
+        with LocalCluster(2, tmp, rtt_ms=a.rtt_ms, log_dir=metrics) as cluster:
             cluster.start_stage(1, common + ["--device", devices[-1]])
             node0 = cluster.start_stage(
                 0, common + ["--device", devices[0], "--draft", draft, "--k", str(k), "--depth", str(depth),

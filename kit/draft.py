@@ -66,6 +66,8 @@ class ModelDrafter:
         stage = self.stage
         if len(context) + k > stage.max_len:
             return []
+        n_vocab = stage.cfg.vocab_size  # ids beyond the drafter's embedding (target-only padding) read as 0
+        context = [t if t < n_vocab else 0 for t in context]
         common = 0
         limit = min(len(self.fed), len(context) - 1)  # the last context token always goes through the loop
         while common < limit and self.fed[common] == context[common]:
@@ -115,7 +117,7 @@ class ModelDrafter:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         with scratch_tail(stage, k):
-            graph, _ = capture(lambda: self._body(tok, start, out, k, S), self._pool)
+            graph, _ = capture(lambda: self._body(tok, start, out, k, S), self._pool, dev)
         self._captured[k, S] = (graph, tok, start, out)
 
 
@@ -140,9 +142,20 @@ def tokenizer_signature(folder: Path) -> dict:
     return tok.get_vocab()
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
 def check_same_tokenizer(target: str, draft: str) -> None:
-    """Refuse a drafter whose tokenizer maps text to other ids than the target's (before loading weights)."""
-    t_vocab, d_vocab = tokenizer_signature(resolve(target)), tokenizer_signature(resolve(draft))
+    """Refuse a drafter whose tokenizer maps text to other ids than the target's (before loading weights).
+    Two checkpoints without any tokenizer (id-only benchmarks) have nothing to compare."""
+    t_dir, d_dir = resolve(target), resolve(draft)
+    has = [any((d / f).is_file() for f in TOKENIZER_FILES) for d in (t_dir, d_dir)]
+    if not any(has):
+        return
+    if not all(has):
+        raise CheckpointError(f"only one of target {target} and drafter {draft} has a tokenizer: cannot check "
+                              "that they share one")
+    t_vocab, d_vocab = tokenizer_signature(t_dir), tokenizer_signature(d_dir)
     differ = [tok for tok, i in d_vocab.items() if t_vocab.get(tok, i) != i]
     missing = len(set(d_vocab) ^ set(t_vocab))
     if differ or missing > 0.01 * len(t_vocab):

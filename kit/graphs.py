@@ -62,8 +62,14 @@ def scratch_tail(stage: Stage, n: int) -> Iterator[None]:
             c[:, :, -n:].copy_(s)
 
 
-def capture(fn: Callable, pool) -> tuple[torch.cuda.CUDAGraph, object]:
-    """Warm `fn` up (compiling it if it is compiled) on a side stream, then capture it; returns (graph, output)."""
+def capture(fn: Callable, pool, device: torch.device) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Warm `fn` up (compiling it if it is compiled) on a side stream of `device`, then capture it; returns
+    (graph, output). Replays run on whatever stream is current, so callers keep `device` current."""
+    with torch.cuda.device(device):
+        return _capture_here(fn, pool)
+
+
+def _capture_here(fn: Callable, pool) -> tuple[torch.cuda.CUDAGraph, object]:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -138,5 +144,5 @@ class StageRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         with scratch_tail(stage, T):
-            graph, out = capture(lambda: self._pass_fn(x_in, start_in, slots), self._pool)
+            graph, out = capture(lambda: self._pass_fn(x_in, start_in, slots), self._pool, self.device)
         self._captured[T, S] = (graph, x_in, start_in, out)

@@ -582,6 +582,8 @@ def main(args) -> int:
             draft_cfg = load_config(args.draft)
         start, end = stage_layers(cfg, args.stage, args.stages, args.layers)
         devices, draft_device = place_layers(args, cfg, start, end, draft_cfg)
+        if devices[0].startswith("cuda"):
+            torch.cuda.set_device(torch.device(devices[0]))  # streams and graphs are made on the current device
         dtype = parse_dtype(args.dtype)
         stage = load_stage(args.target, start, end, first=args.stage == 0, last=args.stage == args.stages - 1,
                            dtype=dtype, layer_devices=devices, load_in_4bit=args.load_in_4bit, max_len=args.max_len)
