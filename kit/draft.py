@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kit.graphs import capture, compile_mode, compiled, scratch_tail, span
+from kit.graphs import capture, compile_mode, compiled, larger_captured, scratch_tail, span
 from kit.load import CheckpointError, load_config, load_stage, read_tensors, resolve
 from kit.model import Stage
 
@@ -100,14 +100,15 @@ class ModelDrafter:
             out = torch.empty(k, dtype=torch.long, device=dev)
             self._body(torch.tensor([last], device=dev), torch.tensor([start], device=dev), out, k, start + k)
             return out.tolist()
-        key = (k, span(start + k, self.stage.max_len))
-        if key not in self._captured:
+        key = larger_captured(self._captured, k, start, self.stage.max_len)
+        if key is None:  # a longer loop already captured serves a shorter round: its extra drafts are dropped
+            key = (k, span(start + k, self.stage.max_len))
             self._capture(*key)
         graph, tok, start_t, out = self._captured[key]
         tok.fill_(last)
         start_t.fill_(start)
         graph.replay()
-        return out.tolist()
+        return out[:k].tolist()
 
     def _capture(self, k: int, S: int) -> None:
         dev, stage = self.stage.device, self.stage

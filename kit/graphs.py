@@ -82,6 +82,13 @@ def _capture_here(fn: Callable, pool) -> tuple[torch.cuda.CUDAGraph, object]:
     return graph, out
 
 
+def larger_captured(captured: dict, n: int, start: int, max_len: int) -> tuple[int, int] | None:
+    """The smallest captured (size, span) that can run n tokens at `start` by padding: a round shortened
+    near the end of an answer replays an existing graph instead of compiling a new one."""
+    fits = [(m, S) for m, S in captured if m >= n and start + m <= max_len and S == span(start + m, max_len)]
+    return min(fits, default=None)
+
+
 def padded(T: int) -> int:
     """Token counts are rounded up to 2^k + 1 (K + 1 for K = 0, 1, 2, 4, 8, ...), so a round shortened
     near the end of an answer reuses a captured (and compiled) graph instead of making a new one."""
@@ -117,10 +124,12 @@ class StageRunner:
             return stage.step(x)
         if start + T > stage.max_len:
             raise ValueError(f"KV cache full: {start} + {T} tokens > {stage.max_len} slots")
-        P = padded(T) if start + padded(T) <= stage.max_len else T
-        key = (P, span(start + P, stage.max_len))
-        if key not in self._captured:
+        key = larger_captured(self._captured, T, start, stage.max_len)
+        if key is None:
+            P = padded(T) if start + padded(T) <= stage.max_len else T
+            key = (P, span(start + P, stage.max_len))
             self._capture(*key, pad(x, P, stage.first))
+        P = key[0]
         graph, x_in, start_in, out = self._captured[key]
         if stage.first:
             x_in[:T].copy_(x, non_blocking=True)
