@@ -11,15 +11,15 @@ import argparse
 import json
 import os
 import platform
-import shlex
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python bench/acceptance.py`
     sys.path.insert(0, str(ROOT))
+
+from bench.common import command_line, cpu_model  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -41,22 +41,6 @@ PROMPTS = {
                "other's work, which fed the Renaissance, the Reformation and the Scientific Revolution.",
 }
 DRAFTERS = ("none", "ngram", "self:8", "self:12")
-
-
-def command_line() -> str:
-    first = Path(sys.argv[0])
-    head = ["-m", first.parent.name] if first.name == "__main__.py" else [sys.argv[0]]
-    return shlex.join(["python", *head, *sys.argv[1:]])
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def summarise(gen, k: int) -> dict:

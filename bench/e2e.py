@@ -226,7 +226,7 @@ def main(argv: list[str]) -> int:
                         "otherwise")
     p.add_argument("--configs", default=None,
                    help="comma list of plain,spec,no-overlap,depth2,depth3,nf4-14b (default: all that apply)")
-    p.add_argument("--draft", default="self:8", help="drafter for --shape smollm2 (default: self:8)")
+    p.add_argument("--draft", default="ngram", help="drafter for --shape smollm2 (default: ngram)")
     p.add_argument("--k", type=int, default=8, help="draft tokens per round (default: 8)")
     p.add_argument("--rtt-ms", type=float, default=86.0, help="emulated ring round trip (default: 86)")
     p.add_argument("--acceptance", type=float, default=0.78,

@@ -15,7 +15,6 @@ import os
 import platform
 import re
 import secrets
-import shlex
 import shutil
 import socket
 import ssl
@@ -30,6 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python bench/relay_bench.py`
     sys.path.insert(0, str(ROOT))
+
+from bench.common import command_line, cpu_model  # noqa: E402
 
 from relay.protocol import (FrameType, client_handshake, encode_control, encode_header,  # noqa: E402
                             pinned_tls_wrap, read_frame, session_id)
@@ -220,22 +221,6 @@ def measure_client(ctx, address: tuple, fingerprint: str | None, token: str, pay
     return times[max(50, n // 10):]
 
 
-def _command_line() -> str:
-    first = Path(sys.argv[0])
-    head = ["-m", first.parent.name] if first.name == "__main__.py" else [sys.argv[0]]
-    return shlex.join(["python", *head, *sys.argv[1:]])
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def run(args: argparse.Namespace) -> dict:
     load_before = os.getloadavg()[0]
     ctx = multiprocessing.get_context("spawn")
@@ -266,9 +251,9 @@ def run(args: argparse.Namespace) -> dict:
     added_p50 = round(through["p50_ms"] - direct["p50_ms"], 4)
     return {
         "benchmark": "relay",
-        "command": args.command or _command_line(),
+        "command": args.command or command_line(),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "hardware": {"platform": platform.platform(), "machine": platform.machine(), "cpu": _cpu_model(),
+        "hardware": {"platform": platform.platform(), "machine": platform.machine(), "cpu": cpu_model(),
                      "cpu_count": os.cpu_count(),
                      "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]},  # before, after
         "python": sys.version.split()[0],

@@ -92,10 +92,10 @@ def parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the whole system on this machine: SmolLM2-135M, 2 stages, ~86 ms emulated RTT",
                           description="Run the embedded default twice on an emulated 86 ms round trip: speculative "
                                       "and plain decoding of the same prompt, and print both answers and speeds.")
-    demo.add_argument("--prompt", default=None, help="prompt text (default: a built-in question)")
+    demo.add_argument("--prompt", default=None, help="prompt text (default: a built-in code-editing request)")
     demo.add_argument("--max-new-tokens", type=int, default=96, help="tokens to generate (default: 96)")
-    demo.add_argument("--draft", default=None, help="drafter (default: the demo's choice, see README)")
-    demo.add_argument("--k", type=int, default=None, help="draft tokens per round")
+    demo.add_argument("--draft", default=None, help="drafter (default: ngram, prompt lookup)")
+    demo.add_argument("--k", type=int, default=None, help="draft tokens per round (default: 4)")
     demo.add_argument("--rtt-ms", type=float, default=86.0, help="emulated round trip (default: 86)")
     demo.add_argument("--metrics-dir", default=None, help="keep both runs' metrics here")
     demo.add_argument("--json", action="store_true", help="print the comparison as JSON")

@@ -84,7 +84,10 @@ def verify(logits: torch.Tensor, drafts: list[int], s: Sampling, position: int,
         residual[drafts[accepted]] = 0.0
     else:
         residual = (p[accepted] - draft_probs[accepted].to(p.device)).clamp_min(0.0)
-    return accepted, sample(residual / residual.sum(), s, position + accepted)
+    total = residual.sum()
+    if total <= 0:  # p == q up to rounding: a rejection had probability ~0, and p itself is the right law
+        residual, total = p[accepted], 1.0
+    return accepted, sample(residual / total, s, position + accepted)
 
 
 def next_token(logits: torch.Tensor, s: Sampling, position: int) -> int:

@@ -1,7 +1,6 @@
 """Shared fixtures: tiny random-weight checkpoints of each family and the real SmolLM2-135M."""
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -43,6 +42,15 @@ def make_tiny(path: Path, family: str = "llama3", *, tie: bool = False, vocab: i
                 p.normal_(0, 0.15 if "embed" in name else 0.08)
     model.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: threads buy nothing, and on a busy 2-core runner each OpenMP barrier costs ms."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,5 @@
 """Stage planning and the memory estimator, from configs alone (no weights)."""
 import pytest
-import torch
 
 from kit.model import ModelConfig, Stage
 from kit.plan import (GiB, T4_BYTES, PlanError, estimate_kv, estimate_weights, format_plan, layer_devices,

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import make_tiny
 from kit.draft import NoDrafter

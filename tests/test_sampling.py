@@ -31,13 +31,7 @@ PLAIN = Sampling(temperature=1.0)
 WARPED = Sampling(temperature=0.8, top_k=6, top_p=0.85)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: threads buy nothing, and on a busy 2-core runner each OpenMP barrier costs ms."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- chi-square without scipy

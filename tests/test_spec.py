@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from conftest import make_tiny
-from kit.draft import ModelDrafter, NgramDrafter, NoDrafter, check_same_tokenizer, make_drafter
+from kit.draft import ModelDrafter, NoDrafter, check_same_tokenizer, make_drafter
 from kit.generate import AdaptiveK, finish, generate
 from kit.graphs import StageRunner
 from kit.load import CheckpointError, load_stage
@@ -26,13 +26,7 @@ SPLITS = {1: [(0, 4)], 2: [(0, 2), (2, 4)]}
 PROMPTS = [[5, 17, 33, 9, 100, 7], [40, 41, 42, 43, 40, 41, 42, 43, 40, 41]]  # varied; repetitive (n-gram hits)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: threads buy nothing, and on a busy 2-core runner each OpenMP barrier costs ms."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def save_word_tokenizer(folder, size: int, swap: tuple[int, int] | None = None) -> None:

@@ -1,0 +1,40 @@
+"""The benchmark scripts run end to end (speed is measured on GPUs, not here)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def kit(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kit", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT)
+
+
+def test_bench_lists_its_benchmarks():
+    p = kit("bench", "--help")
+    assert p.returncode == 0
+    for name in ("relay", "draft", "verify", "acceptance", "e2e"):
+        assert name in p.stdout
+
+
+@pytest.mark.timeout(600)
+def test_e2e_bench_planted_acceptance_and_identical_output(tmp_path):
+    out = tmp_path / "e2e.json"
+    p = kit("bench", "e2e", "--shape", "tiny", "--configs", "plain,spec,depth2", "--rtt-ms", "20", "--k", "4",
+            "--acceptance", "0.9", "--max-new-tokens", "40", "--work", str(tmp_path / "w"), "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert d["identical_outputs"] and set(d["configs"]) == {"plain", "spec", "depth2"}
+    for name, c in d["configs"].items():
+        assert [len(r["token_ids"]) for r in c["results"]] == [40]
+        assert sum(r["committed"] for r in c["rounds"]) == 40
+    # a 0.9 planted acceptance gives (1 - 0.9^5) / 0.1 = 4.1 tokens per round at K = 4; plain gives 1
+    assert d["configs"]["plain"]["steady"]["tokens_per_round"] == 1.0
+    assert d["configs"]["spec"]["steady"]["tokens_per_round"] > 2.5
+    assert {"command", "hardware", "versions", "floors"} <= set(d)
