@@ -210,8 +210,12 @@ def steady_state(rows: list[dict], rtt_ms: float) -> dict:
     if len(best) < 2:
         return {"rounds": len(best)}
     s = summarize(best)
-    span_s = best[-1]["t"] - best[0]["t"]
-    s["tps"] = sum(r["committed"] for r in best[1:]) / span_s if span_s > 0 else 0.0
+    tokens = seconds = 0.0
+    for p in {r.get("prompt", 0) for r in best}:  # `t` restarts with each prompt
+        rs = [r for r in best if r.get("prompt", 0) == p]
+        tokens += sum(r["committed"] for r in rs[1:])
+        seconds += rs[-1]["t"] - rs[0]["t"]
+    s["tps"] = tokens / seconds if seconds > 0 else 0.0
     s["excluded_rounds"] = len(rows) - len(best)
     s["other_ms"] = s["round_ms"] - s["draft_ms"] - sum(s["stage_ms"]) - rtt_ms
     s["non_network_ms"] = s["round_ms"] - rtt_ms

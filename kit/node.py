@@ -53,8 +53,8 @@ def to_payload(h: torch.Tensor, meta: dict) -> bytes:
 
 
 def from_payload(payload: bytes, device: torch.device) -> tuple[dict, torch.Tensor]:
-    meta, dtype, shape, data = decode_tensor(payload)
-    t = torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[dtype]) if len(data) else torch.empty(0, dtype=TORCH_DTYPES[dtype])
+    meta, dtype, shape, data = decode_tensor(payload)  # received payloads are writable: no copy on the host
+    t = torch.frombuffer(data, dtype=TORCH_DTYPES[dtype]) if len(data) else torch.empty(0, dtype=TORCH_DTYPES[dtype])
     return meta, t.view(shape).to(device)
 
 
