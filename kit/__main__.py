@@ -16,7 +16,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
                    help="weight and activation dtype (default: float32 on CPU, float16 on CUDA)")
     g.add_argument("--load-in-4bit", action="store_true",
-                   help="NF4 linear layers through bitsandbytes (CUDA only; embeddings and head stay 16-bit)")
+                   help="NF4 linear layers through bitsandbytes (embeddings and head keep --dtype)")
     g.add_argument("--max-len", type=int, default=2048, help="KV cache length in tokens, prompt included (default: 2048)")
     g.add_argument("--graphs", choices=["auto", "on", "off"], default="auto",
                    help="CUDA graphs for the draft loop and the verify pass (auto: on CUDA)")

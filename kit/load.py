@@ -138,8 +138,8 @@ def load_stage(source: str, start: int, end: int, *, first: bool | None = None, 
     """Build the stage for layers [start, end) and read its tensors, and only those.
 
     `layer_devices[i]` places local layer i; the embedding goes with the first layer, the head with
-    the last. With `load_in_4bit` the linear layers become bitsandbytes NF4 (CUDA only); embeddings
-    and the LM head stay 16-bit.
+    the last. With `load_in_4bit` the linear layers become bitsandbytes NF4 (quantised as they move to their device); embeddings
+    and the LM head keep `dtype`.
     """
     folder = resolve(source)
     cfg = load_config(str(folder))
@@ -150,8 +150,6 @@ def load_stage(source: str, start: int, end: int, *, first: bool | None = None, 
     devices = [torch.device(d) for d in (layer_devices or ["cpu"] * (end - start))]
     if len(devices) != end - start:
         raise ValueError(f"{len(devices)} layer devices for {end - start} layers")
-    if load_in_4bit and devices[0].type != "cuda":
-        raise CheckpointError("--load-in-4bit needs a CUDA device (bitsandbytes NF4)")
     with torch.device("meta"):
         stage = Stage(cfg, start, end, first=first, last=last, layer_devices=devices)
     params = [n for n, _ in stage.named_parameters()]
@@ -215,7 +213,7 @@ def set_param(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 
 def quantize_nf4(stage: Stage, compute_dtype: torch.dtype) -> None:
-    """Swap each decoder linear layer for a bitsandbytes NF4 one (quantised when moved to CUDA)."""
+    """Swap each decoder linear layer for a bitsandbytes NF4 one (quantised when moved to its device)."""
     try:
         import bitsandbytes as bnb
     except ImportError:

@@ -21,14 +21,14 @@ FAMILIES = {
 
 
 def make_tiny(path: Path, family: str = "llama3", *, tie: bool = False, vocab: int = 256, layers: int = 4,
-              seed: int = 0, hidden: int = 64) -> Path:
+              seed: int = 0, hidden: int = 64, intermediate: int | None = None) -> Path:
     """Save a random-weight Hugging Face checkpoint of `family` in `path` and return it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = dict(FAMILIES[family])
     model_type = spec.pop("model_type")
     cfg = AutoConfig.for_model(
-        model_type, vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden + 16,
+        model_type, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden + 16,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
         max_position_embeddings=512, tie_word_embeddings=tie, rms_norm_eps=1e-6, rope_theta=10000.0,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, **spec)
