@@ -219,7 +219,7 @@ class Driver:
         self.n = client.stages
         self.metrics, self.progress, self.log, self.on_tokens = metrics, progress, log, on_tokens
         self.boots: dict[int, str] = {}
-        self.gen = 0
+        self.gen = time.time_ns() // 1_000_000  # grows across restarts of node 0, so stages follow a new one
         self.rid = 0
         self.last_reconnects = client.reconnects
         self.pending_spec: tuple[list[int], list[int]] | None = None

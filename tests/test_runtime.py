@@ -166,3 +166,26 @@ def test_cli_errors_are_one_line(models, tmp_path):
         p = subprocess.run([sys.executable, "-m", "kit", *argv], capture_output=True, text=True, timeout=120,
                            cwd=Path(__file__).resolve().parents[1])
         assert p.returncode != 0 and needle in p.stderr and "Traceback" not in p.stderr, (argv, p.stderr)
+
+
+@pytest.mark.timeout(300)
+def test_restarted_node0_drives_the_same_stages(models, tmp_path):
+    """A notebook 0 that restarts mid-answer (its stages still serving) gives the same answer again."""
+    expected = reference(models["target"], 60)
+    with LocalCluster(3, tmp_path, rtt_ms=40) as cluster:
+        common = ["--target", str(models["target"]), "--max-len", "256", "--stage-timeout", "20"]
+        for i in (1, 2):
+            cluster.start_stage(i, common)
+        args = common + ["--draft", "ngram", "--k", "3", "--max-new-tokens", "60", "--json", "--quiet",
+                         "--prompt-ids", ",".join(map(str, PROMPT)), "--metrics-dir", str(tmp_path / "m")]
+        first = cluster.start_stage(0, args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_rounds(tmp_path / "m", 5)
+        cluster.kill_stage(2)  # a replay first, so the stages have seen a later generation than a fresh node 0's first
+        cluster.start_stage(2, common)
+        wait_rounds(tmp_path / "m", 15)
+        first.kill()
+        first.communicate()
+        again = cluster.start_stage(0, args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = again.communicate(timeout=200)
+    assert again.returncode == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["token_ids"] == expected
