@@ -497,14 +497,25 @@ def place_layers(args, cfg, start: int, end: int, draft_cfg) -> tuple[list[str],
         return ["cpu"] * (end - start), "cpu"
     if devices[0] == "cuda" and torch.cuda.device_count() > 1 and len(devices) == 1:
         devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    free = [torch.cuda.mem_get_info(torch.device(d))[1] for d in devices]
+    free = [torch.cuda.mem_get_info(torch.device(d))[1] for d in devices]  # each GPU's capacity
     dtype_bytes = torch.finfo(parse_dtype(args.dtype)).bits / 8
     draft = None
     if draft_cfg is not None:
         draft = (estimate_weights(draft_cfg, 0, draft_cfg.n_layers, True, True, dtype_bytes),
                  estimate_kv(draft_cfg, draft_cfg.n_layers, args.max_len, dtype_bytes))
+    first, last = start == 0, end == cfg.n_layers
+    if len(devices) > 1 and (draft is None or sum(draft) < min(free[1:])):
+        # the whole stage on one GPU keeps its CUDA graphs (a stage spread over GPUs runs eagerly); a
+        # model drafter then gets the next GPU to itself
+        one = place_node(cfg, args.stage, start, end, first, last, gpus=1, gpu_bytes=free[0],
+                         dtype_bytes=dtype_bytes, load_in_4bit=args.load_in_4bit, kv_len=args.max_len, draft=None)
+        if all(m.total <= one.gpu_bytes for m in one.memory.values()):
+            print(format_plan([one]), file=sys.stderr)
+            if draft is not None:
+                print(f"drafter on {devices[1]}", file=sys.stderr)
+            return [devices[0]] * (end - start), devices[1] if draft is not None else devices[0]
     try:
-        plan = place_node(cfg, args.stage, start, end, start == 0, end == cfg.n_layers, gpus=len(devices),
+        plan = place_node(cfg, args.stage, start, end, first, last, gpus=len(devices),
                           gpu_bytes=min(free), dtype_bytes=dtype_bytes, load_in_4bit=args.load_in_4bit,
                           kv_len=args.max_len, draft=draft)
         check_fit([plan], cfg, args.max_len, args.load_in_4bit, len(devices))
