@@ -107,7 +107,8 @@ class ModelDrafter:
         graph, tok, start_t, out = self._captured[key]
         tok.fill_(last)
         start_t.fill_(start)
-        graph.replay()
+        with torch.cuda.device(dev):  # the drafter may live on another GPU than the stage
+            graph.replay()
         return out[:k].tolist()
 
     def _capture(self, k: int, S: int) -> None:

@@ -136,7 +136,8 @@ class StageRunner:
         else:
             x_in[:, :T].copy_(x, non_blocking=True)
         start_in.fill_(start)
-        graph.replay()
+        with torch.cuda.device(self.device):  # replays go to the current device's stream
+            graph.replay()
         stage.length = start + T  # the padding's cache slots lie past the valid length
         return out if P == T else out[:, :T]
 
