@@ -36,6 +36,13 @@ class AdaptiveK:
             rate = accepted / proposed if accepted < proposed else min(0.98, (accepted + 1) / (proposed + 1))
             self.alpha = self.decay * self.alpha + (1 - self.decay) * rate
 
+    def measure(self, fixed_ms: float, draft_ms: float, k: int) -> None:
+        """Learn a round's cost from the last one: the part that does not grow with K (network, stage
+        passes) and the drafting time per draft token (when drafting was not hidden under the network)."""
+        self.fixed_ms = self.decay * self.fixed_ms + (1 - self.decay) * fixed_ms
+        if k and draft_ms > 0:
+            self.per_draft_ms = self.decay * self.per_draft_ms + (1 - self.decay) * draft_ms / k
+
     def choose(self) -> int:
         a = min(self.alpha, 0.99)
         return max(range(self.k_min, self.k_max + 1),

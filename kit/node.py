@@ -308,6 +308,7 @@ class Driver:
             self.rounds += 1
             if adaptive:
                 adaptive.update(len(f.drafts), accepted)
+                adaptive.measure((now - f.sent_at) * 1000 - f.draft_ms, f.draft_ms, len(f.drafts))
             full = accepted == len(f.drafts) and reason is None
             if flights and not (full and flights[0].base[-1] == ids[-1]):
                 flights.clear()  # built on a guess that failed; the last stage discards them too

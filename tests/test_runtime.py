@@ -68,22 +68,25 @@ def wait_rounds(metrics: Path, n: int, timeout: float = 60) -> None:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("stages,draft,depth", [
-    (2, "none", 1), (2, "ngram", 1), (2, "self:2", 1), (2, "draft", 1), (2, "target", 3),
+    (2, "none", 1), (2, "ngram", 1), (2, "self:2", 1), (2, "draft", 1), (2, "target", 3), (2, "target", "adaptive"),
     (3, "draft", 3), (3, "self:1", 3), (3, "ngram", 3),
 ])
 def test_distributed_equals_target_only(models, tmp_path, stages, draft, depth):
     expected = reference(models["target"], 40)
     spec = str(models[draft]) if draft in models else draft
+    mode = ["--adaptive-k"] if depth == "adaptive" else ["--depth", str(depth)]
     with LocalCluster(stages, tmp_path) as cluster:
-        code, result, err = run(cluster, models["target"], "--draft", spec, "--k", "4", "--depth", str(depth),
+        code, result, err = run(cluster, models["target"], "--draft", spec, "--k", "4", *mode,
                                 "--max-new-tokens", "40", metrics=tmp_path / "m")
     assert code == 0, err
     assert result["token_ids"] == expected
     assert result["generated_tokens"] == 40 and result["finish_reason"] == "length"
     rows = [json.loads(line) for line in (tmp_path / "m" / "rounds.jsonl").read_text().splitlines()]
     assert sum(r["committed"] for r in rows) == 40 and all(len(r["stage_ms"]) == stages for r in rows)
-    if draft == "target":  # a perfect drafter: every round commits K + 1 tokens
+    if draft == "target" and depth != "adaptive":  # a perfect drafter: every round commits K + 1 tokens
         assert result["tokens_per_round"] == 5.0
+    if depth == "adaptive":  # K is chosen per round, within 1..4, and full acceptance drives it up
+        assert all(1 <= r["k"] <= 4 for r in rows) and rows[-2]["k"] >= rows[0]["k"]
 
 
 @pytest.mark.timeout(300)
