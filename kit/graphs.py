@@ -64,21 +64,17 @@ def scratch_tail(stage: Stage, n: int) -> Iterator[None]:
 
 def capture(fn: Callable, pool, device: torch.device) -> tuple[torch.cuda.CUDAGraph, object]:
     """Warm `fn` up (compiling it if it is compiled) on a side stream of `device`, then capture it; returns
-    (graph, output). Replays run on whatever stream is current, so callers keep `device` current."""
+    (graph, output). Replays must run with `device` current too."""
     with torch.cuda.device(device):
-        return _capture_here(fn, pool)
-
-
-def _capture_here(fn: Callable, pool) -> tuple[torch.cuda.CUDAGraph, object]:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
     return graph, out
 
 

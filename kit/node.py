@@ -273,10 +273,7 @@ class Driver:
         if self.progress:
             self.progress.start()
         self.partial = out  # what an interrupted run saves
-        self.first_token_at = None
-        self.rounds = 0
-        self.replays = 0
-        reason = None
+        first_token_at, rounds, replays, reason = None, 0, 0, None
         progress_at = time.monotonic()
         self.prefill(context, opts.sampling)
         flights: collections.deque[Flight] = collections.deque()
@@ -288,7 +285,7 @@ class Driver:
                     break
                 ids, vmeta = self.wait_verdict(flights, opts, progress_at)
             except Replay:
-                self.replays += 1
+                replays += 1
                 flights.clear()
                 self.prefill(context, opts.sampling)
                 progress_at = time.monotonic()
@@ -303,9 +300,8 @@ class Driver:
             if self.on_tokens:
                 self.on_tokens(out)
             now = time.perf_counter()
-            if self.first_token_at is None:
-                self.first_token_at = now
-            self.rounds += 1
+            first_token_at = first_token_at or now
+            rounds += 1
             if adaptive:
                 adaptive.update(len(f.drafts), accepted)
                 adaptive.measure((now - f.sent_at) * 1000 - f.draft_ms, f.draft_ms, len(f.drafts))
@@ -317,13 +313,14 @@ class Driver:
             self.record(f, vmeta, new, now, t0)
             if len(context) >= self.stage.max_len and reason is None:
                 reason = "length"
-        elapsed = time.perf_counter() - t0
-        ttft = ((self.first_token_at or time.perf_counter()) - t0) * 1000
-        after = time.perf_counter() - (self.first_token_at or time.perf_counter())
+        end = time.perf_counter()
+        first_token_at = first_token_at or end
+        after = end - first_token_at
         return {"token_ids": out, "prompt_tokens": len(prompt), "generated_tokens": len(out),
-                "rounds": self.rounds, "tokens_per_round": len(out) / max(1, self.rounds),
+                "rounds": rounds, "tokens_per_round": len(out) / max(1, rounds),
                 "tps": (len(out) - 1) / after if len(out) > 1 and after > 0 else 0.0,
-                "ttft_ms": ttft, "finish_reason": reason, "seconds": elapsed, "replays": self.replays}
+                "ttft_ms": (first_token_at - t0) * 1000, "finish_reason": reason, "seconds": end - t0,
+                "replays": replays}
 
     def prefill(self, context: list[int], sampling: Sampling) -> None:
         """Send context[:-1] down the ring in chunks (stage 1 computes a chunk while the next is on the
@@ -357,8 +354,7 @@ class Driver:
             if not flights:
                 base = list(context)
                 if self.pending_spec and self.pending_spec[0] == base:
-                    drafts = self.pending_spec[1]
-                    t0 = time.perf_counter()  # drafted while the previous round was on the wire
+                    drafts = self.pending_spec[1]  # drafted while the previous round was on the wire
                 else:
                     drafts = self.drafter.propose(base, self.clamp(want, base, room))
             else:
