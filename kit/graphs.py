@@ -73,7 +73,8 @@ def capture(fn: Callable, pool, device: torch.device) -> tuple[torch.cuda.CUDAGr
                 fn()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        # a stream of `device`: torch's default capture stream belongs to whichever device captured first
+        with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(device)):
             out = fn()
     return graph, out
 
@@ -108,7 +109,10 @@ class StageRunner:
         self.graphs = (self.device.type == "cuda" and one_device) if graphs is None else graphs
         self.compile = compile_mode(stage, compile) if self.graphs else None
         self._pass_fn = compiled(self._pass, self.compile) if self.compile else self._pass
-        self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # (T, span) -> (graph, x, start, out, slots): every tensor a graph reads must stay referenced, or
+        # its memory goes back to the allocator and later replays read whatever was put there
+        self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                     torch.Tensor]] = {}
         self._pool = None
 
     def __call__(self, x: torch.Tensor, start: int) -> torch.Tensor:
@@ -126,7 +130,7 @@ class StageRunner:
             key = (P, span(start + P, stage.max_len))
             self._capture(*key, pad(x, P, stage.first))
         P = key[0]
-        graph, x_in, start_in, out = self._captured[key]
+        graph, x_in, start_in, out, _ = self._captured[key]
         if stage.first:
             x_in[:T].copy_(x, non_blocking=True)
         else:
@@ -151,4 +155,4 @@ class StageRunner:
             self._pool = torch.cuda.graph_pool_handle()
         with scratch_tail(stage, T):
             graph, out = capture(lambda: self._pass_fn(x_in, start_in, slots), self._pool, self.device)
-        self._captured[T, S] = (graph, x_in, start_in, out)
+        self._captured[T, S] = (graph, x_in, start_in, out, slots)
