@@ -57,7 +57,9 @@ class ModelDrafter:
         self.compile = compile_mode(stage, compile) if self.graphs else None
         self._step_fn = compiled(self._step, self.compile) if self.compile else self._step
         self.fed: list[int] = []
-        self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # per catch-up count c (0 or 1): (k, span) -> (graph, token buffer [c + 1], start, drafts)
+        self._captured: dict[int, dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor,
+                                                                torch.Tensor]]] = {0: {}, 1: {}}
         self._pool = None
 
     def propose(self, context: list[int], k: int) -> list[int]:
@@ -73,10 +75,11 @@ class ModelDrafter:
         while common < limit and self.fed[common] == context[common]:
             common += 1
         stage.rewind(common)
-        catch_up = context[common:-1]
-        if catch_up:
-            stage.step(torch.tensor(catch_up, device=stage.device))
-        drafts = self._loop(context[-1], len(context) - 1, k)
+        feed = context[common:]  # tokens the cache lacks; the last one starts the loop
+        if len(feed) > 2:  # a prompt or a replay: one eager pass; one catch-up token (after a fully
+            stage.step(torch.tensor(feed[:-2], device=stage.device))  # accepted round) rides in the graph
+            common, feed = len(context) - 2, feed[-2:]
+        drafts = self._loop(feed, common, k)
         self.fed = context + drafts[:-1]
         stage.length = len(self.fed)
         return drafts
@@ -85,42 +88,48 @@ class ModelDrafter:
         logits = self.stage(tok, pos, pos, (slots <= pos)[None, :])[0, -1, : self.vocab_limit]
         return argmax(logits)
 
-    def _body(self, tok: torch.Tensor, start: torch.Tensor, out: torch.Tensor, k: int, S: int) -> None:
+    def _body(self, toks: torch.Tensor, start: torch.Tensor, out: torch.Tensor, k: int, S: int) -> None:
+        """Feed toks [c + 1] from position `start` (the first c only fill the cache), then draft k."""
         slots = torch.arange(S, device=self.stage.device)
         torch._dynamo.maybe_mark_dynamic(slots, 0)
         pos = start.clone()
+        for i in range(toks.shape[0] - 1):
+            self._step_fn(toks[i : i + 1], pos, slots)
+            pos = pos + 1
+        tok = toks[-1:]
         for i in range(k):
             tok = self._step_fn(tok, pos, slots)
             out[i : i + 1].copy_(tok)
             pos = pos + 1
 
-    def _loop(self, last: int, start: int, k: int) -> list[int]:
-        dev = self.stage.device
+    def _loop(self, feed: list[int], start: int, k: int) -> list[int]:
+        dev, c = self.stage.device, len(feed) - 1
         if not self.graphs:
             out = torch.empty(k, dtype=torch.long, device=dev)
-            self._body(torch.tensor([last], device=dev), torch.tensor([start], device=dev), out, k, start + k)
+            self._body(torch.tensor(feed, device=dev), torch.tensor([start], device=dev), out, k, start + c + k)
             return out.tolist()
-        key = larger_captured(self._captured, k, start, self.stage.max_len)
+        captured = self._captured[c]
+        key = larger_captured(captured, k, start + c, self.stage.max_len)
         if key is None:  # a longer loop already captured serves a shorter round: its extra drafts are dropped
-            key = (k, span(start + k, self.stage.max_len))
-            self._capture(*key)
-        graph, tok, start_t, out = self._captured[key]
-        tok.fill_(last)
+            key = (k, span(start + c + k, self.stage.max_len))
+            self._capture(c, *key)
+        graph, toks, start_t, out = captured[key]
+        toks.copy_(torch.tensor(feed), non_blocking=True)
         start_t.fill_(start)
         with torch.cuda.device(dev):  # the drafter may live on another GPU than the stage
             graph.replay()
         return out[:k].tolist()
 
-    def _capture(self, k: int, S: int) -> None:
+    def _capture(self, c: int, k: int, S: int) -> None:
         dev, stage = self.stage.device, self.stage
-        tok = torch.zeros(1, dtype=torch.long, device=dev)
-        start = torch.full((1,), stage.max_len - k, dtype=torch.long, device=dev)
+        toks = torch.zeros(c + 1, dtype=torch.long, device=dev)
+        start = torch.full((1,), stage.max_len - c - k, dtype=torch.long, device=dev)
         out = torch.zeros(k, dtype=torch.long, device=dev)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with scratch_tail(stage, k):
-            graph, _ = capture(lambda: self._body(tok, start, out, k, S), self._pool, dev)
-        self._captured[k, S] = (graph, tok, start, out)
+        with scratch_tail(stage, c + k):
+            graph, _ = capture(lambda: self._body(toks, start, out, k, S), self._pool, dev)
+        self._captured[c][k, S] = (graph, toks, start, out)
 
 
 def argmax(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
