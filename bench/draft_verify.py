@@ -232,6 +232,13 @@ def variants(args) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
     return standard, extra
 
 
+def draft_variants(args) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
+    """The drafter's variants: the verify ones with our Triton kernels off, then with them (the default)."""
+    standard, extra = variants(args)
+    off = lambda vs: [(n, {**o, "kernels": False}) for n, o in vs]  # noqa: E731
+    return off(standard) + [("graph_triton", dict(graphs=True, kernels=True))], off(extra)
+
+
 def bench_draft(args, run: Run) -> None:
     dev = torch.device("cuda")
     cfg = ModelConfig.from_hf(QWEN25_05B)
@@ -289,7 +296,7 @@ def bench_draft(args, run: Run) -> None:
         log(f"  {name}: {t['median_ms']:.2f} ms (setup {setup_s:.1f} s) tokens equal eager: {tokens == ref['tokens']}"
             + (f"; {v['long_context']['median_ms']:.2f} ms at {len(longer)} tokens" if "long_context" in v else ""))
 
-    standard, extra = variants(args)
+    standard, extra = draft_variants(args)
     for name, opt in standard:
         one(name, opt)
         run.save()

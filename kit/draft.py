@@ -6,11 +6,13 @@ treats the draft distribution as a point mass and only token ids ever cross the 
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from kit import kernels as fused_kernels
 from kit.graphs import capture, compile_mode, compiled, larger_captured, scratch_tail, span
 from kit.load import CheckpointError, load_config, load_stage, read_tensors, resolve
 from kit.model import Stage
@@ -45,16 +47,19 @@ class ModelDrafter:
     the new context, feeds the rest (after a fully accepted round that includes the last draft, so the
     context has no hole) and runs the k-step loop. On CUDA the loop is one graph per k (and attention
     span, see kit.graphs): static token and position buffers, argmax on the device, one host sync for
-    the k tokens; with `compile` each step is torch.compile'd code inside that graph.
+    the k tokens. Each step is our Triton kernels (kit.kernels: five per layer) where they run, else
+    PyTorch ops, torch.compile'd with `compile`.
     """
 
     def __init__(self, stage: Stage, vocab_limit: int, graphs: bool | None = None,
-                 compile: bool | str | None = None):
+                 compile: bool | str | None = None, kernels: bool | None = None):
         if not (stage.first and stage.last):
             raise ValueError("a drafter needs the embedding, its layers, the norm and the head")
         self.stage, self.vocab_limit = stage, vocab_limit
         self.graphs = stage.device.type == "cuda" if graphs is None else graphs
-        self.compile = compile_mode(stage, compile) if self.graphs else None
+        # one step as our Triton kernels (kit.kernels) where they run: by default inside CUDA graphs
+        self.kernels = (self.graphs if kernels is None else kernels) and fused_kernels.available(stage)
+        self.compile = compile_mode(stage, compile) if self.graphs and not self.kernels else None
         self._step_fn = compiled(self._step, self.compile) if self.compile else self._step
         self.fed: list[int] = []
         # per catch-up count c (0 or 1): (k, span) -> (graph, token buffer [c + 1], start, drafts)
@@ -85,6 +90,8 @@ class ModelDrafter:
         return drafts
 
     def _step(self, tok: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        if self.kernels:
+            return fused_kernels.step(self.stage, tok, pos, slots.shape[0], self.vocab_limit)
         logits = self.stage(tok, pos, pos, (slots <= pos)[None, :])[0, -1, : self.vocab_limit]
         return argmax(logits)
 
@@ -112,7 +119,15 @@ class ModelDrafter:
         key = larger_captured(captured, k, start + c, self.stage.max_len)
         if key is None:  # a longer loop already captured serves a shorter round: its extra drafts are dropped
             key = (k, span(start + c + k, self.stage.max_len))
-            self._capture(c, *key)
+            try:
+                self._capture(c, *key)
+            except Exception as e:  # Triton compiles on first use: a GPU or version it fails on keeps PyTorch
+                if not self.kernels:
+                    raise
+                print(f"[drafter] Triton kernels failed ({type(e).__name__}: {str(e)[:200]}); "
+                      "drafting with PyTorch ops", file=sys.stderr)
+                self.kernels = False
+                self._capture(c, *key)
         graph, toks, start_t, out = captured[key]
         toks.copy_(torch.tensor(feed), non_blocking=True)
         start_t.fill_(start)

@@ -145,7 +145,7 @@ class Attention(nn.Module):
         # x: [1, T, D]; mask: [T, S] bool; slots: [T]; caches: [1, G, max_len, E]
         T = x.shape[1]
         if self.qkv is not None:
-            q, k, v = linear(x, *self.qkv).split([self.n_heads * self.hd, self.n_kv * self.hd,
+            q, k, v = F.linear(x, *self.qkv).split([self.n_heads * self.hd, self.n_kv * self.hd,
                                                   self.n_kv * self.hd], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -160,7 +160,7 @@ class Attention(nn.Module):
         v_cache.index_copy_(2, slots, v)
         S = mask.shape[-1]
         y = attend(q, k_cache[:, :, :S], v_cache[:, :, :S], mask).transpose(1, 2).reshape(1, T, -1)
-        return self.o_proj(y) if self.qkv is None else linear(y, self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(y)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -174,22 +174,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     scores = scores.view(1, G, H // G, T, S).masked_fill(~mask, float("-inf"))
     p = torch.softmax(scores, dim=-1).to(v.dtype).view(1, G, H // G * T, S)
     return (p @ v).view(1, H, T, E)
-
-
-def one_token_compiled(x: torch.Tensor) -> bool:
-    return x.shape[-2] == 1 and torch.compiler.is_compiling()
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias), for layers whose projections are joined (`Stage.fuse`).
-
-    For one token under torch.compile it is written as a sum of products: the compiler makes it one
-    reduction kernel over all output rows, fused with what surrounds it, where cuBLAS runs a 0.5B
-    drafter's matrix-vector products at a fraction of the memory bandwidth. fp32 accumulation either way."""
-    if one_token_compiled(x):
-        y = (x.unsqueeze(-2).float() * weight.float()).sum(-1)
-        return (y if bias is None else y + bias.float()).to(x.dtype)
-    return F.linear(x, weight, bias)
 
 
 def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -224,11 +208,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        if one_token_compiled(x):  # two reductions over the same x, fused with silu(gate) * up
-            gate, up = linear(x, self.gate_proj.weight), linear(x, self.up_proj.weight)
-        else:
-            gate, up = F.linear(x, self.gate_up[0]).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj.weight)
+        gate, up = F.linear(x, self.gate_up[0]).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -299,7 +280,7 @@ class Stage(nn.Module):
 
     def fuse(self) -> bool:
         """Join q/k/v and gate/up into one matmul each (fewer, larger kernels on a GPU); the joined
-        layers then use their weights as plain tensors (`linear`). Layers whose linear maps are not
+        layers then multiply by the joint weights (kit.kernels reads them too). Layers whose linear maps are not
         plain `nn.Linear` (NF4) stay as they are; returns whether all were fused."""
         fused = True
         for layer in self.layers:

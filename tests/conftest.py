@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random-weight checkpoints of each family and the real SmolLM2-135M."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -9,6 +10,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+if not torch.cuda.is_available():  # kit.kernels' Triton kernels run in Triton's interpreter (set before import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 FAMILIES = {
     "llama3": dict(model_type="llama", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

@@ -1,5 +1,5 @@
 """The GPU fast path's pieces on CPU: joined projections, the compiled (traced) pass and draft step
-with their one-token reductions and dynamic attention span, the two-stage argmax, the span rule."""
+with their dynamic attention span, the two-stage argmax, the span rule."""
 from __future__ import annotations
 
 import pytest
@@ -51,7 +51,7 @@ def counting_backend(graphs: list):
 
 @pytest.mark.timeout(180)
 def test_traced_pass_matches_eager_and_spans_share_one_graph(qwen2):
-    """What the GPU path compiles: the runner's pass (T = 4 and the one-token reduction form) over
+    """What the GPU path compiles: the runner's pass (T = 4 and T = 1) over
     attention spans 16 and 32 of a 64-slot cache, traced whole; one graph per T, shared by the spans."""
     torch._dynamo.reset()
     stage = stage_of(qwen2)

@@ -1,0 +1,316 @@
+"""Triton kernels for one token through a whole small model: the drafter's step in five kernels a layer.
+
+Why we own this (DESIGN decision 1, the hot path): a Qwen2.5-0.5B step reads 1 GB, 0.23 ms at an H200's
+4.2 TB/s, but written as PyTorch ops a layer is ~12 kernels even after torch.compile has fused what it
+can, and at one token each kernel is mostly launch and tail: 8.0 ms for an 8-token draft, 4.3x the
+floor (bench/NOTES.md). Here a layer is five kernels:
+
+  1. qkv     RMSNorm of x, the joined q/k/v rows, bias, q/k norm (Qwen3), rope; K and V go to the cache
+  2. attend  a block of cache slots per program: scores, masked softmax statistics, P.V
+  3. o       the blocks combined, the o projection, the residual added in place
+  4. gate_up RMSNorm of x, gate and up rows, silu(gate) * up
+  5. down    the down projection, the residual added in place
+
+and the head is RMSNorm + logits + an argmax per block of rows. Every program of a projection reads the
+whole input vector (a few KB, from L2) and normalises it itself, so norms need no kernel of their own.
+Rounding follows the PyTorch path (fp16 after each projection, norm and activation; fp32 inside), so
+drafts match the eager drafter's up to near-ties. Tests run these kernels on CPU with TRITON_INTERPRET=1.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the drafter runs eagerly there
+    triton = None
+
+from kit.model import Stage
+
+def available(stage: Stage) -> bool:
+    """Whether `stage` can run its one-token step with these kernels: a GPU (or the interpreter), half
+    precision, plain joined projections on one device, head sizes the kernels tile."""
+    import os
+
+    cfg = stage.cfg
+    on_device = stage.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    devices = {layer.input_layernorm.weight.device for layer in stage.layers}
+    return (triton is not None and on_device and len(devices) == 1 and stage.first and stage.last
+            and stage.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and cfg.head_dim in (16, 32, 64, 128, 256) and cfg.n_heads // cfg.n_kv_heads <= 16
+            and stage.fuse())
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+if triton is not None:
+    @triton.jit
+    def _rstd(x_ptr, D: tl.constexpr, BLOCK_K: tl.constexpr, eps):
+        """1 / RMS of the vector x [D], in fp32."""
+        acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + k, mask=k < D, other=0.0).to(tl.float32)
+            acc += x * x
+        return tl.rsqrt(tl.sum(acc, 0) / D + eps)
+
+    @triton.jit
+    def _normed(x_ptr, nw_ptr, k, D: tl.constexpr, rstd):
+        """RMSNorm(x)[k] as the PyTorch module rounds it: weight * (x * rstd).to(dtype), returned in fp32."""
+        x = tl.load(x_ptr + k, mask=k < D, other=0.0)
+        w = tl.load(nw_ptr + k, mask=k < D, other=0.0)
+        return (w * (x.to(tl.float32) * rstd).to(x.dtype)).to(tl.float32)
+
+    @triton.jit
+    def _qkv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr,
+                    vc_ptr, max_len, eps, qk_eps, D: tl.constexpr, E: tl.constexpr, H: tl.constexpr,
+                    G: tl.constexpr, P: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    QK_NORM: tl.constexpr):
+        # program: head `head` of the H + 2G q/k/v heads, the P rotation pairs (i, i + E/2) from `pair0`
+        HALF: tl.constexpr = E // 2
+        per_head: tl.constexpr = HALF // P
+        head = tl.program_id(0) // per_head
+        i = (tl.program_id(0) % per_head) * P + tl.arange(0, P)
+        rows_lo, rows_hi = head * E + i, head * E + HALF + i
+        rstd = _rstd(x_ptr, D, BLOCK_K, eps)
+        acc_lo = tl.zeros([P, BLOCK_K], dtype=tl.float32)
+        acc_hi = tl.zeros([P, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            h = _normed(x_ptr, nw_ptr, k, D, rstd)[None, :]
+            km = (k < D)[None, :]
+            acc_lo += tl.load(w_ptr + rows_lo[:, None] * D + k[None, :], mask=km, other=0.0).to(tl.float32) * h
+            acc_hi += tl.load(w_ptr + rows_hi[:, None] * D + k[None, :], mask=km, other=0.0).to(tl.float32) * h
+        lo, hi = tl.sum(acc_lo, 1), tl.sum(acc_hi, 1)
+        if HAS_BIAS:
+            lo += tl.load(b_ptr + rows_lo).to(tl.float32)
+            hi += tl.load(b_ptr + rows_hi).to(tl.float32)
+        dt = x_ptr.dtype.element_ty
+        lo, hi = lo.to(dt).to(tl.float32), hi.to(dt).to(tl.float32)
+        pos = tl.load(pos_ptr)
+        if head < H + G:  # q or k: norm (Qwen3) and rope
+            if QK_NORM:  # P == E / 2 here: the program holds the whole head
+                r = tl.rsqrt((tl.sum(lo * lo, 0) + tl.sum(hi * hi, 0)) / E + qk_eps)
+                is_q = head < H
+                n_lo = tl.where(is_q, tl.load(qn_ptr + i), tl.load(kn_ptr + i))
+                n_hi = tl.where(is_q, tl.load(qn_ptr + HALF + i), tl.load(kn_ptr + HALF + i))
+                lo = (n_lo * (lo * r).to(dt)).to(tl.float32)
+                hi = (n_hi * (hi * r).to(dt)).to(tl.float32)
+            c_lo, c_hi = tl.load(cos_ptr + pos * E + i), tl.load(cos_ptr + pos * E + HALF + i)
+            s_lo, s_hi = tl.load(sin_ptr + pos * E + i), tl.load(sin_ptr + pos * E + HALF + i)
+            lo, hi = lo * c_lo - hi * s_lo, hi * c_hi + lo * s_hi
+        if head < H:
+            tl.store(q_ptr + rows_lo, lo.to(dt))
+            tl.store(q_ptr + rows_hi, hi.to(dt))
+        elif head < H + G:
+            at = kc_ptr + (head - H) * max_len * E + pos * E
+            tl.store(at + i, lo.to(dt))
+            tl.store(at + HALF + i, hi.to(dt))
+        else:
+            at = vc_ptr + (head - H - G) * max_len * E + pos * E
+            tl.store(at + i, lo.to(dt))
+            tl.store(at + HALF + i, hi.to(dt))
+
+    @triton.jit
+    def _attend_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, max_len, span, scale,
+                       E: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, PER: tl.constexpr,
+                       BLOCK: tl.constexpr):
+        # program: kv head g, slots [s * PER, (s + 1) * PER); its R query heads are the rows of one matrix
+        g, s = tl.program_id(0), tl.program_id(1)
+        n_split = tl.num_programs(1)
+        rows, e = tl.arange(0, RP), tl.arange(0, E)
+        q = tl.load(q_ptr + (g * R + rows)[:, None] * E + e[None, :], mask=(rows < R)[:, None], other=0.0)
+        pos = tl.load(pos_ptr)
+        m = tl.full([RP], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([RP], dtype=tl.float32)
+        acc = tl.zeros([RP, E], dtype=tl.float32)
+        base = g * max_len * E
+        for off in range(0, PER, BLOCK):
+            j = s * PER + off + tl.arange(0, BLOCK)
+            ok = (j <= pos) & (j < span)
+            k = tl.load(kc_ptr + base + j[:, None] * E + e[None, :], mask=ok[:, None], other=0.0)
+            v = tl.load(vc_ptr + base + j[:, None] * E + e[None, :], mask=ok[:, None], other=0.0)
+            scores = tl.where(ok[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, 1))
+            safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(scores - safe[:, None])
+            alpha = tl.exp(m - safe)
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        at = (g * n_split + s) * RP + rows
+        tl.store(m_ptr + at, m)
+        tl.store(l_ptr + at, l)
+        tl.store(acc_ptr + at[:, None] * E + e[None, :], acc)
+
+    @triton.jit
+    def _o_kernel(acc_ptr, m_ptr, l_ptr, w_ptr, x_ptr, n_split, D: tl.constexpr, E: tl.constexpr,
+                  R: tl.constexpr, RP: tl.constexpr, HE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+        # program: output rows n of x += o_proj(attention), combining the attention blocks as it reads them
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, HE, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < HE
+            head = k // E
+            g, r, e = head // R, head % R, k % E
+            big_m = tl.full([BLOCK_K], float("-inf"), dtype=tl.float32)
+            big_l = tl.zeros([BLOCK_K], dtype=tl.float32)
+            y = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for s in range(0, n_split):
+                at = (g * n_split + s) * RP + r
+                m = tl.load(m_ptr + at, mask=km, other=float("-inf"))
+                m_new = tl.maximum(big_m, m)
+                safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                c_old, c_new = tl.exp(big_m - safe), tl.exp(m - safe)
+                big_l = big_l * c_old + tl.load(l_ptr + at, mask=km, other=0.0) * c_new
+                y = y * c_old + tl.load(acc_ptr + at * E + e, mask=km, other=0.0) * c_new
+                big_m = m_new
+            y = tl.where(km, y / tl.where(km, big_l, 1.0), 0.0)
+            w = tl.load(w_ptr + n[:, None] * HE + k[None, :], mask=(n < D)[:, None] & km[None, :], other=0.0)
+            acc += w.to(tl.float32) * y.to(w.dtype).to(tl.float32)[None, :]
+        x = tl.load(x_ptr + n, mask=n < D)
+        tl.store(x_ptr + n, x + tl.sum(acc, 1).to(x.dtype), mask=n < D)
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, eps, D: tl.constexpr, F: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # program: rows n of silu(gate(norm(x))) * up(norm(x)); gate rows are 0..F-1 of w, up rows F..2F-1
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = (n < F)[:, None]
+        rstd = _rstd(x_ptr, D, BLOCK_K, eps)
+        acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            h = _normed(x_ptr, nw_ptr, k, D, rstd)[None, :]
+            m = nm & (k < D)[None, :]
+            acc_g += tl.load(w_ptr + n[:, None] * D + k[None, :], mask=m, other=0.0).to(tl.float32) * h
+            acc_u += tl.load(w_ptr + (F + n)[:, None] * D + k[None, :], mask=m, other=0.0).to(tl.float32) * h
+        dt = x_ptr.dtype.element_ty
+        gate = tl.sum(acc_g, 1).to(dt).to(tl.float32)
+        up = tl.sum(acc_u, 1).to(dt)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dt)
+        tl.store(out_ptr + n, act * up, mask=n < F)
+
+    @triton.jit
+    def _down_kernel(h_ptr, w_ptr, x_ptr, D: tl.constexpr, F: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        # program: rows n of x += down(h)
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, F, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            h = tl.load(h_ptr + k, mask=k < F, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + n[:, None] * F + k[None, :], mask=(n < D)[:, None] & (k < F)[None, :], other=0.0)
+            acc += w.to(tl.float32) * h[None, :]
+        x = tl.load(x_ptr + n, mask=n < D)
+        tl.store(x_ptr + n, x + tl.sum(acc, 1).to(x.dtype), mask=n < D)
+
+    @triton.jit
+    def _head_kernel(x_ptr, nw_ptr, w_ptr, best_ptr, at_ptr, vocab, eps, D: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # program: logits of rows n (rounded to the weights' dtype as F.linear does), their max and its index
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rstd = _rstd(x_ptr, D, BLOCK_K, eps)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            h = _normed(x_ptr, nw_ptr, k, D, rstd)[None, :]
+            w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=(n < vocab)[:, None] & (k < D)[None, :], other=0.0)
+            acc += w.to(tl.float32) * h
+        logits = tl.where(n < vocab, tl.sum(acc, 1).to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
+        best = tl.argmax(logits, 0, tie_break_left=True)
+        tl.store(best_ptr + tl.program_id(0), tl.max(logits, 0))
+        tl.store(at_ptr + tl.program_id(0), tl.program_id(0) * BLOCK_N + best)
+
+
+# Tile sizes per kernel, chosen with bench/kernel_tiles.py on an H200 for the Qwen2.5-0.5B shape.
+TILES = {"qkv_pairs": 4, "qkv_warps": 4, "attn_slots": 128, "attn_block": 64, "o_rows": 8, "gate_up_rows": 8,
+         "gate_up_warps": 4, "down_rows": 2, "down_cols": 4096, "down_warps": 8, "head_rows": 16, "head_warps": 8}
+
+
+class Scratch:
+    """The buffers of one step: the residual stream x, q, attention blocks, the MLP activation."""
+
+    def __init__(self, stage: Stage, span: int, tiles: dict):
+        cfg, dev, dt = stage.cfg, stage.device, stage.dtype
+        self.n_split = triton.cdiv(span, tiles["attn_slots"])
+        self.q = torch.empty(cfg.n_heads * cfg.head_dim, dtype=dt, device=dev)
+        self.m = torch.empty(cfg.n_kv_heads * self.n_split * 16, dtype=torch.float32, device=dev)
+        self.l = torch.empty_like(self.m)
+        self.acc = torch.empty(self.m.numel() * cfg.head_dim, dtype=torch.float32, device=dev)
+        self.act = torch.empty(cfg.intermediate_size, dtype=dt, device=dev)
+
+
+def qkv(stage: Stage, i: int, x: torch.Tensor, pos: torch.Tensor, s: Scratch, tiles: dict) -> None:
+    cfg, layer = stage.cfg, stage.layers[i]
+    attn, norm = layer.self_attn, layer.input_layernorm
+    D, E, H, G = cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    P = E // 2 if cfg.qk_norm else min(tiles["qkv_pairs"], E // 2)
+    w, b = attn.qkv
+    qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm else (w, w)
+    cos, sin = stage.rope[stage.device]
+    _qkv_kernel[((H + 2 * G) * (E // 2 // P),)](
+        x, norm.weight, w, w if b is None else b, qn, kn, cos, sin, pos, s.q, stage.k_caches[i], stage.v_caches[i],
+        stage.max_len, norm.eps, attn.q_norm.eps if cfg.qk_norm else 0.0, D=D, E=E, H=H, G=G, P=P,
+        BLOCK_K=min(1024, _pow2(D)), HAS_BIAS=b is not None, QK_NORM=cfg.qk_norm, num_warps=tiles["qkv_warps"])
+
+
+def attend(stage: Stage, i: int, x: torch.Tensor, pos: torch.Tensor, span: int, s: Scratch, tiles: dict) -> None:
+    """Attention over the first `span` slots and the o projection, added to x."""
+    cfg = stage.cfg
+    D, E, H, G = cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    _attend_kernel[(G, s.n_split)](s.q, stage.k_caches[i], stage.v_caches[i], pos, s.acc, s.m, s.l, stage.max_len,
+                                   span, E ** -0.5, E=E, R=H // G, RP=16, PER=tiles["attn_slots"],
+                                   BLOCK=tiles["attn_block"])
+    _o_kernel[(triton.cdiv(D, tiles["o_rows"]),)](s.acc, s.m, s.l, stage.layers[i].self_attn.o_proj.weight, x,
+                                                  s.n_split, D=D, E=E, R=H // G, RP=16, HE=H * E,
+                                                  BLOCK_N=tiles["o_rows"], BLOCK_K=min(1024, _pow2(H * E)))
+
+
+def gate_up(stage: Stage, i: int, x: torch.Tensor, s: Scratch, tiles: dict) -> None:
+    """silu(gate) * up of layer i's normalised x, into s.act."""
+    cfg, layer = stage.cfg, stage.layers[i]
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    norm = layer.post_attention_layernorm
+    _gate_up_kernel[(triton.cdiv(F, tiles["gate_up_rows"]),)](
+        x, norm.weight, layer.mlp.gate_up[0], s.act, norm.eps, D=D, F=F, BLOCK_N=tiles["gate_up_rows"],
+        BLOCK_K=min(1024, _pow2(D)), num_warps=tiles["gate_up_warps"])
+
+
+def down(stage: Stage, i: int, x: torch.Tensor, s: Scratch, tiles: dict) -> None:
+    """Layer i's down projection of s.act, added to x."""
+    D, F = stage.cfg.hidden_size, stage.cfg.intermediate_size
+    _down_kernel[(triton.cdiv(D, tiles["down_rows"]),)](
+        s.act, stage.layers[i].mlp.down_proj.weight, x, D=D, F=F, BLOCK_N=tiles["down_rows"],
+        BLOCK_K=min(tiles["down_cols"], _pow2(F)), num_warps=tiles["down_warps"])
+
+
+def head(stage: Stage, x: torch.Tensor, vocab: int, tiles: dict) -> torch.Tensor:
+    """Greedy token [1] among ids < vocab."""
+    n_blocks = triton.cdiv(vocab, tiles["head_rows"])
+    best = torch.empty(n_blocks, dtype=torch.float32, device=x.device)
+    at = torch.empty(n_blocks, dtype=torch.int64, device=x.device)
+    D = stage.cfg.hidden_size
+    _head_kernel[(n_blocks,)](x, stage.norm.weight, stage.lm_head.weight, best, at, vocab, stage.norm.eps, D=D,
+                              BLOCK_N=tiles["head_rows"], BLOCK_K=min(1024, _pow2(D)), num_warps=tiles["head_warps"])
+    return at[best.argmax(0, keepdim=True)]
+
+
+def step(stage: Stage, tok: torch.Tensor, pos: torch.Tensor, span: int, vocab: int, tiles: dict = TILES) -> torch.Tensor:
+    """Greedy next token [1] after `tok` [1] at position `pos` [1] (a device tensor, so a CUDA graph can
+    replay this for any position), attending over the first `span` cache slots; only ids < vocab count.
+    Writes the token's K/V at slot `pos`. Needs `available(stage)`."""
+    s = Scratch(stage, span, tiles)
+    x = stage.embed_tokens.weight.index_select(0, tok).view(-1)  # the residual stream, updated in place
+    for i in range(len(stage.layers)):
+        qkv(stage, i, x, pos, s, tiles)
+        attend(stage, i, x, pos, span, s, tiles)
+        gate_up(stage, i, x, s, tiles)
+        down(stage, i, x, s, tiles)
+    return head(stage, x, vocab, tiles)
