@@ -186,6 +186,9 @@ def run_config(name: str, target: str, draft: str, devices: list[str], prompt_ar
         results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         rows = [json.loads(line) for line in (metrics / "rounds.jsonl").read_text().splitlines()]
         memory = json.loads((metrics / "memory.json").read_text())
+        summary = json.loads((metrics / "summary.json").read_text())
+        summary["emulated_rtt_ms"] = a.rtt_ms  # lets notebooks/results.ipynb split the network from the rest
+        (metrics / "summary.json").write_text(json.dumps(summary, indent=1))
     return {"name": name, "draft": draft, "k": k, "depth": depth, "overlap": overlap, "nf4": nf4,
             "wall_s": time.time() - t0, "results": [{key: r[key] for key in ("tps", "tokens_per_round", "ttft_ms",
                                                                            "generated_tokens", "token_ids")}
