@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kit import kernels as fused_kernels
-from kit.graphs import capture, compile_mode, compiled, larger_captured, scratch_tail, span
+from kit.graphs import capture, compile_mode, compiled, scratch_tail, span
 from kit.load import CheckpointError, load_config, load_stage, read_tensors, resolve
 from kit.model import Stage
 
@@ -116,9 +116,11 @@ class ModelDrafter:
             self._body(torch.tensor(feed, device=dev), torch.tensor([start], device=dev), out, k, start + c + k)
             return out.tolist()
         captured = self._captured[c]
-        key = larger_captured(captured, k, start + c, self.stage.max_len)
-        if key is None:  # a longer loop already captured serves a shorter round: its extra drafts are dropped
-            key = (k, span(start + c + k, self.stage.max_len))
+        # exactly k steps: a longer loop would serve too, but every extra step costs the round a drafter
+        # step (the 9-step pre-draft once served the 8-step drafts after a verdict); capturing is cheap,
+        # the step's kernels (or compiled code) do not depend on k
+        key = (k, span(start + c + k, self.stage.max_len))
+        if key not in captured:
             try:
                 self._capture(c, *key)
             except Exception as e:  # Triton compiles on first use: a GPU or version it fails on keeps PyTorch
