@@ -57,7 +57,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m kit bench tiles", description=__doc__.split("\n\n")[0])
     p.add_argument("--context", type=int, default=500, help="tokens in the cache; default 500")
     p.add_argument("--reps", type=int, default=30, help="graph replays per candidate; default 30")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "kernel_tiles_h200.json")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "kernel_tiles_h200.json",
+                   help="JSON result; default bench/results/kernel_tiles_h200.json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: this benchmark needs a CUDA GPU", file=sys.stderr)
