@@ -44,9 +44,12 @@ def test_kernel_drafts_equal_pytorch_drafts(tmp_path, family, tie, dtype):
 
 
 def test_kernels_decline_what_they_do_not_tile(tmp_path):
-    """A head size the kernels do not tile keeps the PyTorch step."""
+    """A head size the kernels do not tile, or bf16 (not verified), keeps the PyTorch step."""
     path = make_tiny(tmp_path / "odd", "llama3", layers=1, hidden=48)  # head_dim 12
     stage = load_stage(str(path), 0, 1, max_len=64, progress=False)
     assert not kernels.available(stage)
     d = ModelDrafter(stage, 256, graphs=False, kernels=True)
     assert not d.kernels and len(d.propose([5, 6, 7], 2)) == 2
+    bf16 = load_stage(str(make_tiny(tmp_path / "bf16", "qwen2", layers=1)), 0, 1, dtype=torch.bfloat16, max_len=64,
+                      progress=False)
+    assert not kernels.available(bf16)
