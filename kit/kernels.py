@@ -33,9 +33,9 @@ from kit.model import Stage
 
 def available(stage: Stage) -> bool:
     """Whether `stage` can run its one-token step with these kernels: a GPU Triton compiles for (or the
-    interpreter), fp16 or fp32, plain joined projections on one device, head sizes the kernels tile. Triton is tested
-    on compute capability 8.0 and up; on a T4 (7.5) a kernel that fails to compile sends the drafter back
-    to PyTorch ops (ModelDrafter), and Kaggle's P100 (6.0) is below what Triton runs on at all."""
+    interpreter), fp16 or fp32, plain joined projections on one device, head sizes the kernels tile.
+    Triton is tested on compute capability 8.0 and up; on a T4 (7.5) a kernel that fails to compile sends
+    the drafter back to PyTorch ops (ModelDrafter); Kaggle's P100 (6.0) is below what Triton runs on."""
     cfg = stage.cfg
     if stage.device.type == "cuda":
         on_device = torch.cuda.get_device_capability(stage.device) >= (7, 0)
@@ -308,7 +308,8 @@ def head(stage: Stage, x: torch.Tensor, vocab: int, tiles: dict) -> torch.Tensor
     return at[best.argmax(0, keepdim=True)]
 
 
-def step(stage: Stage, tok: torch.Tensor, pos: torch.Tensor, span: int, vocab: int, tiles: dict = TILES) -> torch.Tensor:
+def step(stage: Stage, tok: torch.Tensor, pos: torch.Tensor, span: int, vocab: int,
+         tiles: dict = TILES) -> torch.Tensor:
     """Greedy next token [1] after `tok` [1] at position `pos` [1] (a device tensor, so a CUDA graph can
     replay this for any position), attending over the first `span` cache slots; only ids < vocab count.
     Writes the token's K/V at slot `pos`. Needs `available(stage)`."""
