@@ -3,7 +3,7 @@
 Why we own this (DESIGN decision 1, the hot path): a Qwen2.5-0.5B step reads 1 GB, 0.23 ms at an H200's
 4.2 TB/s, but written as PyTorch ops a layer is ~12 kernels even after torch.compile has fused what it
 can, and at one token each kernel is mostly launch and tail: 8.0 ms for an 8-token draft, 4.3x the
-floor (bench/NOTES.md). Here a layer is five kernels:
+floor. Here a layer is five kernels (5.6 ms for those 8 tokens; bench/NOTES.md, v5):
 
   1. qkv     RMSNorm of x, the joined q/k/v rows, bias, q/k norm (Qwen3), rope; K and V go to the cache
   2. attend  a block of cache slots per program: scores, masked softmax statistics, P.V
@@ -44,7 +44,7 @@ def available(stage: Stage) -> bool:
     devices = {layer.input_layernorm.weight.device for layer in stage.layers}
     return (triton is not None and on_device and len(devices) == 1 and stage.first and stage.last
             and stage.dtype in (torch.float16, torch.float32)  # bf16: untested (the interpreter mangles it)
-            and cfg.head_dim in (16, 32, 64, 128, 256) and cfg.n_heads // cfg.n_kv_heads <= 16
+            and cfg.head_dim in (16, 32, 64, 128, 256) and cfg.n_heads // cfg.n_kv_heads <= ROWS
             and stage.fuse())
 
 
@@ -75,7 +75,7 @@ if triton is not None:
                     vc_ptr, max_len, eps, qk_eps, D: tl.constexpr, E: tl.constexpr, H: tl.constexpr,
                     G: tl.constexpr, P: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                     QK_NORM: tl.constexpr):
-        # program: head `head` of the H + 2G q/k/v heads, the P rotation pairs (i, i + E/2) from `pair0`
+        # program: one of the H + 2G q/k/v heads, P of its rotation pairs (i, i + E/2)
         HALF: tl.constexpr = E // 2
         per_head: tl.constexpr = HALF // P
         head = tl.program_id(0) // per_head
@@ -235,25 +235,28 @@ if triton is not None:
         tl.store(at_ptr + tl.program_id(0), tl.program_id(0) * BLOCK_N + best)
 
 
+ROWS = 16  # query rows per kv head in the attention kernel, padded: tl.dot needs 16
 # Tile sizes per kernel, chosen with bench/kernel_tiles.py on an H200 for the Qwen2.5-0.5B shape.
 TILES = {"qkv_pairs": 4, "qkv_warps": 4, "attn_slots": 128, "attn_block": 64, "o_rows": 8, "gate_up_rows": 8,
          "gate_up_warps": 4, "down_rows": 2, "down_cols": 4096, "down_warps": 8, "head_rows": 16, "head_warps": 8}
 
 
 class Scratch:
-    """The buffers of one step: the residual stream x, q, attention blocks, the MLP activation."""
+    """Buffers of one step (x, the residual stream, is the caller's): q, the attention blocks' partial
+    results (ROWS query rows per kv head and block), the MLP activation."""
 
     def __init__(self, stage: Stage, span: int, tiles: dict):
         cfg, dev, dt = stage.cfg, stage.device, stage.dtype
         self.n_split = triton.cdiv(span, tiles["attn_slots"])
         self.q = torch.empty(cfg.n_heads * cfg.head_dim, dtype=dt, device=dev)
-        self.m = torch.empty(cfg.n_kv_heads * self.n_split * 16, dtype=torch.float32, device=dev)
+        self.m = torch.empty(cfg.n_kv_heads * self.n_split * ROWS, dtype=torch.float32, device=dev)
         self.l = torch.empty_like(self.m)
         self.acc = torch.empty(self.m.numel() * cfg.head_dim, dtype=torch.float32, device=dev)
         self.act = torch.empty(cfg.intermediate_size, dtype=dt, device=dev)
 
 
 def qkv(stage: Stage, i: int, x: torch.Tensor, pos: torch.Tensor, s: Scratch, tiles: dict) -> None:
+    """Layer i's q into s.q, its K and V into the cache at slot `pos`."""
     cfg, layer = stage.cfg, stage.layers[i]
     attn, norm = layer.self_attn, layer.input_layernorm
     D, E, H, G = cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
@@ -272,10 +275,10 @@ def attend(stage: Stage, i: int, x: torch.Tensor, pos: torch.Tensor, span: int, 
     cfg = stage.cfg
     D, E, H, G = cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     _attend_kernel[(G, s.n_split)](s.q, stage.k_caches[i], stage.v_caches[i], pos, s.acc, s.m, s.l, stage.max_len,
-                                   span, E ** -0.5, E=E, R=H // G, RP=16, PER=tiles["attn_slots"],
+                                   span, E ** -0.5, E=E, R=H // G, RP=ROWS, PER=tiles["attn_slots"],
                                    BLOCK=tiles["attn_block"])
     _o_kernel[(triton.cdiv(D, tiles["o_rows"]),)](s.acc, s.m, s.l, stage.layers[i].self_attn.o_proj.weight, x,
-                                                  s.n_split, D=D, E=E, R=H // G, RP=16, HE=H * E,
+                                                  s.n_split, D=D, E=E, R=H // G, RP=ROWS, HE=H * E,
                                                   BLOCK_N=tiles["o_rows"], BLOCK_K=min(1024, _pow2(H * E)))
 
 
