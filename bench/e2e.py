@@ -222,6 +222,12 @@ def steady_state(rows: list[dict], rtt_ms: float) -> dict:
     s["excluded_rounds"] = len(rows) - len(best)
     s["other_ms"] = s["round_ms"] - s["draft_ms"] - sum(s["stage_ms"]) - rtt_ms
     s["non_network_ms"] = s["round_ms"] - rtt_ms
+    med = statistics.median  # medians per part: a few slow rounds move the means above
+    s["p50"] = {"draft_ms": med(r["draft_ms"] for r in best),
+                "stage_ms": [med(r["stage_ms"][i] for r in best if len(r["stage_ms"]) > i)
+                             for i in range(len(s["stage_ms"]))],
+                "other_ms": med(r["round_ms"] - r["draft_ms"] - sum(r["stage_ms"]) - rtt_ms for r in best),
+                "non_network_ms": med(r["round_ms"] - rtt_ms for r in best)}
     return s
 
 
@@ -310,12 +316,16 @@ def main(argv: list[str]) -> int:
             out["configs"][name] = {"name": name, "error": str(e)}
             print(f"[e2e] {name} failed: {e}", file=sys.stderr)
             continue
-        s = out["configs"][name]["steady"]
-        print(f"[e2e] {name:>10}: {out['configs'][name]['tps']:7.2f} tok/s  {s['tokens_per_round']:.2f} tok/round  "
-              f"round {s['round_ms']:.1f} ms = draft {s['draft_ms']:.1f} + stages "
-              f"{'+'.join(f'{x:.1f}' for x in s['stage_ms'])} + other {s['other_ms']:.1f} + rtt {a.rtt_ms:g}",
-              file=sys.stderr)
         dest.write_text(json.dumps(out, indent=1))  # a run cut short keeps the configurations already done
+        s = out["configs"][name]["steady"]
+        if "p50" not in s:
+            print(f"[e2e] {name:>10}: only {s['rounds']} steady rounds", file=sys.stderr)
+            continue
+        m = s["p50"]
+        print(f"[e2e] {name:>10}: {out['configs'][name]['tps']:7.2f} tok/s  {s['tokens_per_round']:.2f} tok/round  "
+              f"medians: round {s['round_ms_p50']:.1f} ms, draft {m['draft_ms']:.1f}, stages "
+              f"{'+'.join(f'{x:.1f}' for x in m['stage_ms'])}, other {m['other_ms']:.1f}, rtt {a.rtt_ms:g}",
+              file=sys.stderr)
     ok = [c for c in out["configs"].values() if "error" not in c]
     ids = {c["name"]: [r["token_ids"] for r in c["results"]] for c in ok}
     out["identical_outputs"] = len({json.dumps(v) for k, v in ids.items() if k != "nf4-14b"}) <= 1

@@ -43,4 +43,6 @@ def test_e2e_bench_planted_acceptance_and_identical_output(tmp_path):
     # a 0.9 planted acceptance gives (1 - 0.9^5) / 0.1 = 4.1 tokens per round at K = 4; plain gives 1
     assert d["configs"]["plain"]["steady"]["tokens_per_round"] == 1.0
     assert d["configs"]["spec"]["steady"]["tokens_per_round"] > 2.5
+    p50 = d["configs"]["spec"]["steady"]["p50"]
+    assert len(p50["stage_ms"]) == 2 and p50["non_network_ms"] > 0 and p50["draft_ms"] >= 0
     assert {"command", "hardware", "versions", "floors"} <= set(d)
