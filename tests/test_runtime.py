@@ -192,3 +192,16 @@ def test_restarted_node0_drives_the_same_stages(models, tmp_path):
         out, err = again.communicate(timeout=200)
     assert again.returncode == 0, err
     assert json.loads(out.strip().splitlines()[-1])["token_ids"] == expected
+
+
+@pytest.mark.timeout(300)
+def test_demo_runs_speculative_and_plain_with_identical_answers(smol_dir):
+    """README's first command, shortened: SmolLM2 over 2 stage processes, the relay and emulated WAN links."""
+    p = subprocess.run([sys.executable, "-m", "kit", "demo", "--max-new-tokens", "24", "--json"], capture_output=True,
+                       text=True, timeout=280, cwd=Path(__file__).resolve().parents[1])
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = json.loads(p.stdout.strip().splitlines()[-1])
+    spec, plain = d["speculative"], d["plain"]
+    assert d["identical"] and spec["token_ids"] == plain["token_ids"] and len(spec["token_ids"]) == 24
+    assert plain["tokens_per_round"] == 1.0 and spec["tokens_per_round"] > 1.0  # the answer repeats the prompt
+    assert spec["text"].strip()
