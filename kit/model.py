@@ -146,7 +146,7 @@ class Attention(nn.Module):
         T = x.shape[1]
         if self.qkv is not None:
             q, k, v = F.linear(x, *self.qkv).split([self.n_heads * self.hd, self.n_kv * self.hd,
-                                                  self.n_kv * self.hd], dim=-1)
+                                                    self.n_kv * self.hd], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(1, T, self.n_heads, self.hd)
