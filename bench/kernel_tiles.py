@@ -1,7 +1,7 @@
 """Tile sizes for kit/kernels.py (`python -m kit bench tiles`): each kernel of the drafter's one-token step,
 for every layer of a Qwen2.5-0.5B shape (random fp16 weights on the GPU), timed per candidate tiling as a
 CUDA graph of its 24 launches (weights read cold, as in a real step), then the whole 8-token draft with the
-defaults and with the best tiles. Writes JSON; the best tiles go into kit.kernels.TILES by hand.
+defaults without programmatic dependent launch, with the defaults and with the best tiles. Writes JSON; the best tiles go into kit.kernels.TILES by hand.
 """
 from __future__ import annotations
 
@@ -94,7 +94,8 @@ def main(argv: list[str]) -> int:
                     default_tiles=dict(kernels.TILES), best_tiles=best, parts=results)
     g = torch.Generator().manual_seed(0)
     context = torch.randint(0, cfg.vocab_size, (args.context,), generator=g).tolist()
-    for name, tiles in (("default", dict(kernels.TILES)), ("best", best)):
+    # the same draft without programmatic dependent launch: what letting kernels overlap is worth
+    for name, tiles in (("no_pdl", {**kernels.TILES, "pdl": False}), ("default", dict(kernels.TILES)), ("best", best)):
         kernels.TILES.clear()
         kernels.TILES.update(tiles)
         d = ModelDrafter(stage, cfg.vocab_size, graphs=True, kernels=True)

@@ -26,7 +26,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("generation (stage 0)")
     g.add_argument("--prompt", action="append", help="prompt text, chat template applied unless --raw (repeatable)")
     g.add_argument("--prompts-file", help="a file with one prompt per line")
-    g.add_argument("--prompt-ids", help="prompt as comma-separated token ids (no template)")
+    g.add_argument("--prompt-ids", action="append",
+                   help="prompt as comma-separated token ids, no template (repeatable)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--max-new-tokens", type=int, default=128, help="exact upper bound of generated tokens (default: 128)")
     g.add_argument("--k", type=int, default=4, help="draft tokens per round (default: 4)")

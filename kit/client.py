@@ -309,7 +309,7 @@ class RelayClient:
         self._last_rx = time.monotonic()
         self.bytes_received += HEADER_LEN + len(payload)
         ftype, flags, src, dst, session, round_id, _ = fields
-        return Frame(ftype, src, dst, round_id, flags, payload, session)
+        return Frame(ftype, src, dst, round_id, flags, payload, session, received=time.perf_counter())
 
     def _dispatch(self, wire: _Wire, frame: Frame) -> None:
         t, from_relay = frame.type, frame.src == RELAY

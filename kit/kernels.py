@@ -54,6 +54,19 @@ def _pow2(n: int) -> int:
 
 if triton is not None:
     @triton.jit
+    def _after_previous(PDL: tl.constexpr):
+        """With programmatic dependent launch (Hopper and newer), a kernel starts while the one before it
+        finishes; each kernel first lets the next one start, loads its weights (no kernel writes them),
+        then waits here before it touches what the previous kernel wrote or reads."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+
+    @triton.jit
+    def _let_next_start(PDL: tl.constexpr):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
     def _rstd(x_ptr, D: tl.constexpr, BLOCK_K: tl.constexpr, eps):
         """1 / RMS of the vector x [D], in fp32."""
         acc = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -74,17 +87,24 @@ if triton is not None:
     def _qkv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr,
                     vc_ptr, max_len, eps, qk_eps, D: tl.constexpr, E: tl.constexpr, H: tl.constexpr,
                     G: tl.constexpr, P: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    QK_NORM: tl.constexpr):
+                    QK_NORM: tl.constexpr, PDL: tl.constexpr):
         # program: one of the H + 2G q/k/v heads, P of its rotation pairs (i, i + E/2)
+        _let_next_start(PDL)
         HALF: tl.constexpr = E // 2
         per_head: tl.constexpr = HALF // P
         head = tl.program_id(0) // per_head
         i = (tl.program_id(0) % per_head) * P + tl.arange(0, P)
         rows_lo, rows_hi = head * E + i, head * E + HALF + i
+        k = tl.arange(0, BLOCK_K)
+        km = (k < D)[None, :]
+        w_lo = tl.load(w_ptr + rows_lo[:, None] * D + k[None, :], mask=km, other=0.0)
+        w_hi = tl.load(w_ptr + rows_hi[:, None] * D + k[None, :], mask=km, other=0.0)
+        _after_previous(PDL)
         rstd = _rstd(x_ptr, D, BLOCK_K, eps)
-        acc_lo = tl.zeros([P, BLOCK_K], dtype=tl.float32)
-        acc_hi = tl.zeros([P, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, D, BLOCK_K):
+        h = _normed(x_ptr, nw_ptr, k, D, rstd)[None, :]
+        acc_lo = w_lo.to(tl.float32) * h
+        acc_hi = w_hi.to(tl.float32) * h
+        for k0 in range(BLOCK_K, D, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             h = _normed(x_ptr, nw_ptr, k, D, rstd)[None, :]
             km = (k < D)[None, :]
@@ -123,8 +143,10 @@ if triton is not None:
     @triton.jit
     def _attend_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, max_len, span, scale,
                        E: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, PER: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):
         # program: kv head g, slots [s * PER, (s + 1) * PER); its R query heads are the rows of one matrix
+        _let_next_start(PDL)
+        _after_previous(PDL)
         g, s = tl.program_id(0), tl.program_id(1)
         n_split = tl.num_programs(1)
         rows, e = tl.arange(0, RP), tl.arange(0, E)
@@ -155,9 +177,13 @@ if triton is not None:
     @triton.jit
     def _o_kernel(acc_ptr, m_ptr, l_ptr, w_ptr, x_ptr, n_split, D: tl.constexpr, E: tl.constexpr,
                   R: tl.constexpr, RP: tl.constexpr, HE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # program: output rows n of x += o_proj(attention), combining the attention blocks as it reads them
+        _let_next_start(PDL)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = tl.arange(0, BLOCK_K)
+        w_first = tl.load(w_ptr + n[:, None] * HE + k[None, :], mask=(n < D)[:, None] & (k < HE)[None, :], other=0.0)
+        _after_previous(PDL)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, HE, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
@@ -177,21 +203,31 @@ if triton is not None:
                 y = y * c_old + tl.load(acc_ptr + at * E + e, mask=km, other=0.0) * c_new
                 big_m = m_new
             y = tl.where(km, y / tl.where(km, big_l, 1.0), 0.0)
-            w = tl.load(w_ptr + n[:, None] * HE + k[None, :], mask=(n < D)[:, None] & km[None, :], other=0.0)
+            if k0 == 0:
+                w = w_first
+            else:
+                w = tl.load(w_ptr + n[:, None] * HE + k[None, :], mask=(n < D)[:, None] & km[None, :], other=0.0)
             acc += w.to(tl.float32) * y.to(w.dtype).to(tl.float32)[None, :]
         x = tl.load(x_ptr + n, mask=n < D)
         tl.store(x_ptr + n, x + tl.sum(acc, 1).to(x.dtype), mask=n < D)
 
     @triton.jit
     def _gate_up_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, eps, D: tl.constexpr, F: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # program: rows n of silu(gate(norm(x))) * up(norm(x)); gate rows are 0..F-1 of w, up rows F..2F-1
+        _let_next_start(PDL)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = (n < F)[:, None]
+        k = tl.arange(0, BLOCK_K)
+        m = nm & (k < D)[None, :]
+        w_g = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=m, other=0.0)
+        w_u = tl.load(w_ptr + (F + n)[:, None] * D + k[None, :], mask=m, other=0.0)
+        _after_previous(PDL)
         rstd = _rstd(x_ptr, D, BLOCK_K, eps)
-        acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, D, BLOCK_K):
+        h = _normed(x_ptr, nw_ptr, k, D, rstd)[None, :]
+        acc_g = w_g.to(tl.float32) * h
+        acc_u = w_u.to(tl.float32) * h
+        for k0 in range(BLOCK_K, D, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             h = _normed(x_ptr, nw_ptr, k, D, rstd)[None, :]
             m = nm & (k < D)[None, :]
@@ -205,11 +241,16 @@ if triton is not None:
 
     @triton.jit
     def _down_kernel(h_ptr, w_ptr, x_ptr, D: tl.constexpr, F: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # program: rows n of x += down(h)
+        _let_next_start(PDL)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, F, BLOCK_K):
+        k = tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + n[:, None] * F + k[None, :], mask=(n < D)[:, None] & (k < F)[None, :], other=0.0)
+        _after_previous(PDL)
+        h = tl.load(h_ptr + k, mask=k < F, other=0.0).to(tl.float32)
+        acc = w.to(tl.float32) * h[None, :]
+        for k0 in range(BLOCK_K, F, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             h = tl.load(h_ptr + k, mask=k < F, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + n[:, None] * F + k[None, :], mask=(n < D)[:, None] & (k < F)[None, :], other=0.0)
@@ -219,12 +260,16 @@ if triton is not None:
 
     @triton.jit
     def _head_kernel(x_ptr, nw_ptr, w_ptr, best_ptr, at_ptr, vocab, eps, D: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # program: logits of rows n (rounded to the weights' dtype as F.linear does), their max and its index
+        _let_next_start(PDL)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=(n < vocab)[:, None] & (k < D)[None, :], other=0.0)
+        _after_previous(PDL)
         rstd = _rstd(x_ptr, D, BLOCK_K, eps)
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, D, BLOCK_K):
+        acc = w.to(tl.float32) * _normed(x_ptr, nw_ptr, k, D, rstd)[None, :]
+        for k0 in range(BLOCK_K, D, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             h = _normed(x_ptr, nw_ptr, k, D, rstd)[None, :]
             w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=(n < vocab)[:, None] & (k < D)[None, :], other=0.0)
@@ -238,7 +283,14 @@ if triton is not None:
 ROWS = 16  # query rows per kv head in the attention kernel, padded: tl.dot needs 16
 # Tile sizes per kernel, chosen with bench/kernel_tiles.py on an H200 for the Qwen2.5-0.5B shape.
 TILES = {"qkv_pairs": 4, "qkv_warps": 4, "attn_slots": 128, "attn_block": 64, "o_rows": 8, "gate_up_rows": 8,
-         "gate_up_warps": 4, "down_rows": 2, "down_cols": 4096, "down_warps": 8, "head_rows": 16, "head_warps": 8}
+         "gate_up_warps": 4, "down_rows": 2, "down_cols": 4096, "down_warps": 8, "head_rows": 16, "head_warps": 8,
+         "pdl": True}
+
+
+def _pdl(x: torch.Tensor, tiles: dict) -> dict:
+    """Launch options for programmatic dependent launch where the GPU has it (compute capability 9.0+)."""
+    on = (tiles.get("pdl", False) and x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) >= (9, 0))
+    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
 
 
 class Scratch:
@@ -267,7 +319,8 @@ def qkv(stage: Stage, i: int, x: torch.Tensor, pos: torch.Tensor, s: Scratch, ti
     _qkv_kernel[((H + 2 * G) * (E // 2 // P),)](
         x, norm.weight, w, w if b is None else b, qn, kn, cos, sin, pos, s.q, stage.k_caches[i], stage.v_caches[i],
         stage.max_len, norm.eps, attn.q_norm.eps if cfg.qk_norm else 0.0, D=D, E=E, H=H, G=G, P=P,
-        BLOCK_K=min(1024, _pow2(D)), HAS_BIAS=b is not None, QK_NORM=cfg.qk_norm, num_warps=tiles["qkv_warps"])
+        BLOCK_K=min(1024, _pow2(D)), HAS_BIAS=b is not None, QK_NORM=cfg.qk_norm, num_warps=tiles["qkv_warps"],
+        **_pdl(x, tiles))
 
 
 def attend(stage: Stage, i: int, x: torch.Tensor, pos: torch.Tensor, span: int, s: Scratch, tiles: dict) -> None:
@@ -276,10 +329,11 @@ def attend(stage: Stage, i: int, x: torch.Tensor, pos: torch.Tensor, span: int, 
     D, E, H, G = cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     _attend_kernel[(G, s.n_split)](s.q, stage.k_caches[i], stage.v_caches[i], pos, s.acc, s.m, s.l, stage.max_len,
                                    span, E ** -0.5, E=E, R=H // G, RP=ROWS, PER=tiles["attn_slots"],
-                                   BLOCK=tiles["attn_block"])
+                                   BLOCK=tiles["attn_block"], **_pdl(x, tiles))
     _o_kernel[(triton.cdiv(D, tiles["o_rows"]),)](s.acc, s.m, s.l, stage.layers[i].self_attn.o_proj.weight, x,
                                                   s.n_split, D=D, E=E, R=H // G, RP=ROWS, HE=H * E,
-                                                  BLOCK_N=tiles["o_rows"], BLOCK_K=min(1024, _pow2(H * E)))
+                                                  BLOCK_N=tiles["o_rows"], BLOCK_K=min(1024, _pow2(H * E)),
+                                                  **_pdl(x, tiles))
 
 
 def gate_up(stage: Stage, i: int, x: torch.Tensor, s: Scratch, tiles: dict) -> None:
@@ -289,7 +343,7 @@ def gate_up(stage: Stage, i: int, x: torch.Tensor, s: Scratch, tiles: dict) -> N
     norm = layer.post_attention_layernorm
     _gate_up_kernel[(triton.cdiv(F, tiles["gate_up_rows"]),)](
         x, norm.weight, layer.mlp.gate_up[0], s.act, norm.eps, D=D, F=F, BLOCK_N=tiles["gate_up_rows"],
-        BLOCK_K=min(1024, _pow2(D)), num_warps=tiles["gate_up_warps"])
+        BLOCK_K=min(1024, _pow2(D)), num_warps=tiles["gate_up_warps"], **_pdl(x, tiles))
 
 
 def down(stage: Stage, i: int, x: torch.Tensor, s: Scratch, tiles: dict) -> None:
@@ -297,7 +351,7 @@ def down(stage: Stage, i: int, x: torch.Tensor, s: Scratch, tiles: dict) -> None
     D, F = stage.cfg.hidden_size, stage.cfg.intermediate_size
     _down_kernel[(triton.cdiv(D, tiles["down_rows"]),)](
         s.act, stage.layers[i].mlp.down_proj.weight, x, D=D, F=F, BLOCK_N=tiles["down_rows"],
-        BLOCK_K=min(tiles["down_cols"], _pow2(F)), num_warps=tiles["down_warps"])
+        BLOCK_K=min(tiles["down_cols"], _pow2(F)), num_warps=tiles["down_warps"], **_pdl(x, tiles))
 
 
 def head(stage: Stage, x: torch.Tensor, vocab: int, tiles: dict) -> torch.Tensor:
@@ -307,7 +361,8 @@ def head(stage: Stage, x: torch.Tensor, vocab: int, tiles: dict) -> torch.Tensor
     at = torch.empty(n_blocks, dtype=torch.int64, device=x.device)
     D = stage.cfg.hidden_size
     _head_kernel[(n_blocks,)](x, stage.norm.weight, stage.lm_head.weight, best, at, vocab, stage.norm.eps, D=D,
-                              BLOCK_N=tiles["head_rows"], BLOCK_K=min(1024, _pow2(D)), num_warps=tiles["head_warps"])
+                              BLOCK_N=tiles["head_rows"], BLOCK_K=min(1024, _pow2(D)), num_warps=tiles["head_warps"],
+                              **_pdl(x, tiles))
     return at[best.argmax(0, keepdim=True)]
 
 

@@ -46,12 +46,14 @@ class LocalCluster:
 
     def __init__(self, stages: int, workdir: str | Path, *, rtt_ms: float = 0.0, jitter_ms: float = 0.0,
                  bandwidth_mbit: float | None = None, relay: str | None = None, token: str | None = None,
-                 fingerprint: str | None = None, session: str | None = None, log_dir: str | Path | None = None):
+                 fingerprint: str | None = None, session: str | None = None, log_dir: str | Path | None = None,
+                 wan_spin: bool = False):
         self.n = stages
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_dir = Path(log_dir) if log_dir else self.workdir
         self.rtt_ms, self.jitter_ms, self.bandwidth_mbit = rtt_ms, jitter_ms, bandwidth_mbit
+        self.wan_spin = wan_spin  # emulators that never sleep (kit.wan --spin)
         self.external_relay = relay
         self.fingerprint = fingerprint
         self.session = session or f"run-{secrets.token_hex(4)}"
@@ -100,6 +102,8 @@ class LocalCluster:
                "--seed", str(i), "--ready-file", str(ready)]
         if self.bandwidth_mbit:
             cmd += ["--bandwidth-mbit", str(self.bandwidth_mbit)]
+        if self.wan_spin:
+            cmd.append("--spin")
         proc = subprocess.Popen(cmd, env=self.env, stdout=self._log(f"wan{i}"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 20
         while not ready.exists():
@@ -170,13 +174,15 @@ def stage0_args(args) -> list[str]:
            "--seed", str(args.seed), "--ready-timeout", str(args.ready_timeout)]
     for p in args.prompt or []:
         out += ["--prompt", p]
+    for ids in args.prompt_ids or []:
+        out += ["--prompt-ids", ids]
     for s in args.stop or []:
         out += ["--stop", s]
     for flag, on in (("--raw", args.raw), ("--adaptive-k", args.adaptive_k), ("--no-overlap", args.no_overlap),
                      ("--json", args.json), ("--quiet", args.quiet), ("--stream", args.stream)):
         if on:
             out.append(flag)
-    for opt, val in (("--prompt-ids", args.prompt_ids), ("--prompts-file", args.prompts_file),
+    for opt, val in (("--prompts-file", args.prompts_file),
                      ("--metrics-dir", args.metrics_dir)):
         if val:
             out += [opt, val]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import statistics
 import sys
 import time
 import uuid
@@ -35,7 +36,7 @@ from kit.model import ConfigError, Stage
 from kit.plan import (PlanError, check_fit, estimate_kv, estimate_weights, even_split, format_plan, layer_devices,
                       place_node)
 from kit.verify import Sampling, verify
-from relay.protocol import (FrameType, decode_control, decode_error, decode_tensor, decode_tokens,
+from relay.protocol import (Frame, FrameType, decode_control, decode_error, decode_tensor, decode_tokens,
                             encode_control, encode_tensor, encode_tokens)
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -109,15 +110,15 @@ class StageServer:
                         {"op": "bye", "stage": self.index, **memory_report()}))
                     return True
             elif f.type == FrameType.TENSOR:
-                self.on_tensor(f.payload)
+                self.on_tensor(f)
             elif f.type == FrameType.ERROR:
                 print(f"[stage {self.index}] relay: {decode_error(f.payload).get('message')}", file=self.log)
             elif f.type == FrameType.BYE:
                 continue
 
-    def on_tensor(self, payload: bytes) -> None:
+    def on_tensor(self, frame: Frame) -> None:
         dev = self.stage.device
-        meta, h = from_payload(payload, dev)
+        meta, h = from_payload(frame.payload, dev)
         start, T = meta["start"], h.shape[1]
         if meta["gen"] < self.gen:
             return  # a frame of a generation node 0 has already replaced
@@ -127,6 +128,8 @@ class StageServer:
             return
         self.gen = meta["gen"]
         t0 = time.perf_counter()
+        # from the frame's last byte off the socket to compute: reader -> main thread wake-up, unpacking
+        meta["host_ms"] = meta.get("host_ms", []) + [(t0 - frame.received) * 1000 if frame.received else 0.0]
         if meta["kind"] == "prefill":
             self.stage.rewind(start)
             out = self.stage.step(h, head=False) if T else h
@@ -159,7 +162,7 @@ class StageServer:
         ms = (time.perf_counter() - t0) * 1000
         ids = tokens[1:1 + accepted] + [nxt]
         vmeta = {"rid": meta["rid"], "gen": meta["gen"], "accepted": accepted, "start": start,
-                 "stage_ms": meta.get("stage_ms", []) + [ms]}
+                 "stage_ms": meta.get("stage_ms", []) + [ms], "host_ms": meta["host_ms"]}
         self.verdicts[key] = (ids, vmeta)
         while len(self.verdicts) > 64:
             self.verdicts.popitem(last=False)
@@ -177,9 +180,10 @@ class Flight:
     rid: int
     base: list[int]  # the context it builds on (committed, or assumed after earlier rounds in flight)
     drafts: list[int]
-    sent_at: float
+    began: float  # perf_counter when its drafting began
     draft_ms: float
     stage0_ms: float
+    send_ms: float  # stage 0's output packed and handed to the socket
     payload: bytes
     spec: list[int] | None = None  # overlap: the drafter's guess [next, e1..eK] if this round is fully accepted
 
@@ -247,6 +251,19 @@ class Driver:
                 if msg.get("op") == "hello":
                     self.boots[msg["stage"]] = msg["boot"]
 
+    def ping_stages(self, count: int = 8, gap_s: float = 0.05) -> dict[str, float]:
+        """Median PING round trip to each other stage through the relay, paced like rounds (a process
+        that idled between frames wakes up slower): what the network path costs without any compute."""
+        times: dict[str, list[float]] = {str(i): [] for i in range(1, self.n)}
+        for _ in range(count):
+            for i in range(1, self.n):
+                try:
+                    times[str(i)].append(self.client.ping(timeout=10.0, dst=i))
+                except TimeoutError:
+                    pass
+                time.sleep(gap_s)
+        return {i: statistics.median(t) for i, t in times.items() if t}
+
     def end(self, wait_s: float = 3.0) -> dict[int, dict]:
         """End the session; returns each stage's memory report (stage 0's too)."""
         self.send_all({"op": "end"})
@@ -277,9 +294,13 @@ class Driver:
         progress_at = time.monotonic()
         self.prefill(context, opts.sampling)
         flights: collections.deque[Flight] = collections.deque()
+        done = None  # the last verdict's bookkeeping, done once the next round is on the wire
         while reason is None:
             try:
                 self.fill(flights, context, out, opts, adaptive)
+                if done:
+                    self.report(*done)
+                    done = None
                 if not flights:
                     reason = "length"
                     break
@@ -297,22 +318,22 @@ class Driver:
             reason = commit(out, ids, opts.max_new_tokens, eos_ids, stop)
             new = out[before:]
             context[len(prompt):] = out
-            if self.on_tokens:
-                self.on_tokens(out)
             now = time.perf_counter()
             first_token_at = first_token_at or now
             rounds += 1
             if adaptive:
                 adaptive.update(len(f.drafts), accepted)
-                adaptive.measure((now - f.sent_at) * 1000 - f.draft_ms, f.draft_ms, len(f.drafts))
+                adaptive.measure((now - f.began) * 1000 - f.draft_ms, f.draft_ms, len(f.drafts))
             full = accepted == len(f.drafts) and reason is None
             if flights and not (full and flights[0].base[-1] == ids[-1]):
                 flights.clear()  # built on a guess that failed; the last stage discards them too
             if full and f.spec and f.spec[0] == ids[-1] and not flights:
                 self.pending_spec = (list(context), f.spec[1:])
-            self.record(f, vmeta, new, now, t0)
+            done = (f, vmeta, new, now, t0, out)
             if len(context) >= self.stage.max_len and reason is None:
                 reason = "length"
+        if done:
+            self.report(*done)
         end = time.perf_counter()
         first_token_at = first_token_at or end
         after = end - first_token_at
@@ -365,25 +386,24 @@ class Driver:
                 base, drafts = prev.assumed + props[:1], props[1:]
             self.pending_spec = None
             drafts = drafts[: self.clamp(want, base, room)]
-            draft_ms = (time.perf_counter() - t0) * 1000
-            self.send_round(flights, base, drafts, draft_ms, opts)
+            self.send_round(flights, base, drafts, t0, opts)
 
     def clamp(self, want: int, base: list[int], room: int) -> int:
         return max(0, min(want, room - 1, self.stage.max_len - len(base)))
 
-    def send_round(self, flights, base, drafts, draft_ms, opts: RunOptions) -> None:
+    def send_round(self, flights, base, drafts, began: float, opts: RunOptions) -> None:
         self.rid += 1
         tokens = [base[-1], *drafts]
         t0 = time.perf_counter()
         h = self.runner(torch.tensor(tokens, device=self.stage.device), len(base) - 1)
         sync(self.stage.device)
-        stage0_ms = (time.perf_counter() - t0) * 1000
+        t1 = time.perf_counter()
         meta = {"kind": "round", "gen": self.gen, "rid": self.rid, "start": len(base) - 1, "tokens": tokens,
-                "stage_ms": [stage0_ms]}
+                "stage_ms": [(t1 - t0) * 1000]}
         payload = to_payload(h, meta)
-        sent_at = time.perf_counter() - (draft_ms + stage0_ms) / 1000
         self.client.send(1, FrameType.TENSOR, payload, round_id=self.rid)
-        f = Flight(self.rid, base, drafts, sent_at, draft_ms, stage0_ms, payload)
+        f = Flight(self.rid, base, drafts, began, (t0 - began) * 1000, (t1 - t0) * 1000,
+                   (time.perf_counter() - t1) * 1000, payload)
         flights.append(f)
         if opts.overlap and opts.depth == 1:
             # draft the next round while this one is on the wire, assuming it is fully accepted
@@ -414,6 +434,7 @@ class Driver:
             if f.type == FrameType.TOKENS:
                 ids, vmeta = decode_tokens(f.payload)
                 if vmeta.get("gen") == self.gen and vmeta.get("rid") == head.rid and not vmeta.get("discarded"):
+                    vmeta["wake_ms"] = (time.perf_counter() - f.received) * 1000 if f.received else 0.0
                     return ids, vmeta
             elif f.type == FrameType.CONTROL:
                 msg = decode_control(f.payload)
@@ -431,12 +452,16 @@ class Driver:
                 print(f"[node 0] relay: {err.get('message')}; resending", file=self.log)
                 resend_at = min(resend_at, now + 0.5)
 
-    def record(self, f: Flight, vmeta: dict, new: list[int], now: float, t0: float) -> None:
-        round_ms = (now - f.sent_at) * 1000
+    def report(self, f: Flight, vmeta: dict, new: list[int], now: float, t0: float, out: list[int]) -> None:
+        """A verdict's bookkeeping (text stream, metrics row, progress line), kept off the critical path."""
+        if self.on_tokens:
+            self.on_tokens(out)
+        round_ms = (now - f.began) * 1000
         stage_ms = vmeta.get("stage_ms", [])
         row = {"round": f.rid, "prompt": self.prompt_index, "t": round(now - t0, 6), "k": len(f.drafts), "accepted": vmeta["accepted"],
                "committed": len(new), "draft_ms": f.draft_ms, "stage_ms": stage_ms,
                "network_ms": max(0.0, round_ms - f.draft_ms - sum(stage_ms)), "round_ms": round_ms,
+               "send_ms": f.send_ms, "host_ms": vmeta.get("host_ms", []), "wake_ms": vmeta.get("wake_ms", 0.0),
                "bytes_out": len(f.payload), "bytes_in": 8 + 4 * (vmeta["accepted"] + 1)}
         if self.metrics:
             self.metrics.round(row)
@@ -560,7 +585,7 @@ def stop_rule(tokenizer, stops: list[str]):
 def prompts_of(args, tokenizer) -> list[list[int]]:
     if args.prompt_ids:
         try:
-            return [[int(t) for t in args.prompt_ids.split(",")]]
+            return [[int(t) for t in ids.split(",")] for ids in args.prompt_ids]
         except ValueError:
             raise SystemExit("error: --prompt-ids must be comma-separated integers")
     texts = list(args.prompt or [])
@@ -643,6 +668,7 @@ def drive(args, client, stage, folder, cfg, dtype, draft_device, graphs) -> int:
     code = 0
     try:
         driver.wait_ready(timeout=args.ready_timeout)
+        ping_ms = driver.ping_stages() if metrics else {}
         for ids in prompts:
             try:
                 result = driver.generate(ids, opts, eos, stop)
@@ -659,7 +685,8 @@ def drive(args, client, stage, folder, cfg, dtype, draft_device, graphs) -> int:
             if progress:
                 progress.done()
             summary = metrics.summary(result, {"k": args.k, "depth": args.depth, "overlap": not args.no_overlap,
-                                               "draft": args.draft, "stages": args.stages}) if metrics else result
+                                               "draft": args.draft, "stages": args.stages,
+                                               "ping_ms": ping_ms}) if metrics else result
             if streamer:
                 streamer.done()
             if args.json:

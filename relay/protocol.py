@@ -13,7 +13,7 @@ import secrets
 import socket
 import ssl
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MAGIC = b"KT"
 VERSION = 1
@@ -91,6 +91,7 @@ class Frame:
     flags: int = 0
     payload: bytes = b""
     session: int = 0
+    received: float = field(default=0.0, compare=False)  # local perf_counter when it was read; not on the wire
 
 
 def encode_header(type: int, src: int, dst: int, round_id: int, flags: int, session: int, length: int) -> bytes:

@@ -38,11 +38,20 @@ def test_e2e_bench_planted_acceptance_and_identical_output(tmp_path):
     d = json.loads(out.read_text())
     assert d["identical_outputs"] and set(d["configs"]) == {"plain", "spec", "depth2"}
     for name, c in d["configs"].items():
-        assert [len(r["token_ids"]) for r in c["results"]] == [40]
-        assert sum(r["committed"] for r in c["rounds"]) == 40
+        assert [len(r["token_ids"]) for r in c["results"]] == [40, 40]
+        assert sum(r["committed"] for r in c["rounds"]) == 80
     # a 0.9 planted acceptance gives (1 - 0.9^5) / 0.1 = 4.1 tokens per round at K = 4; plain gives 1
     assert d["configs"]["plain"]["steady"]["tokens_per_round"] == 1.0
     assert d["configs"]["spec"]["steady"]["tokens_per_round"] > 2.5
     p50 = d["configs"]["spec"]["steady"]["p50"]
     assert len(p50["stage_ms"]) == 2 and p50["non_network_ms"] > 0 and p50["draft_ms"] >= 0
+    # "other" split into node 0's send, stage 1's frame-to-compute time, node 0's wake-up, and transit; a
+    # bare PING through the same emulated path costs at least the emulated round trip
+    assert min(p50["send_ms"], p50["host_ms"], p50["wake_ms"], p50["transit_over_rtt_ms"]) > 0
+    assert d["configs"]["spec"]["ping_ms"]["1"] >= 20
+    # the prompt runs twice (warm-up, then measured): steady rounds are the second pass's only
+    spec = d["configs"]["spec"]
+    assert len(spec["results"]) == 2 and spec["results"][0]["token_ids"] == spec["results"][1]["token_ids"]
+    assert spec["steady"]["rounds"] + spec["steady"]["excluded_rounds"] == sum(
+        r["prompt"] == 1 for r in spec["rounds"])
     assert {"command", "hardware", "versions", "floors"} <= set(d)

@@ -126,7 +126,7 @@ def test_help_describes_every_option():
                          env=ENV, cwd=ROOT, timeout=30)
     assert out.returncode == 0
     for option in ("--listen", "--upstream", "--delay-ms", "--jitter-ms", "--bandwidth-mbit", "--seed",
-                   "--ready-file", "SIGUSR1"):
+                   "--ready-file", "--spin", "SIGUSR1"):
         assert option in out.stdout
 
 
@@ -161,6 +161,17 @@ def test_round_trip_is_twice_the_one_way_delay(start):
         rtt = round_trip_ms(s, b"ping", 10)
     assert 40 <= rtt <= 45, rtt
     assert "open #1" in emu.stderr()
+
+
+def test_spinning_emulator_keeps_delay_and_data(start):
+    """--spin (no sleeping, for benchmarks) changes when bytes are picked up, not the link: same delay,
+    same bytes, and it still stops cleanly on SIGTERM."""
+    emu = start("--delay-ms", "10", "--spin")
+    payload = random.Random(1).randbytes(200_000)
+    with emu.connect() as s:
+        rtt = round_trip_ms(s, b"ping", 5)
+        assert echo_through(s, payload) == payload
+    assert 20 <= rtt <= 24, rtt
 
 
 def test_release_is_on_time():
