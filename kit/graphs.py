@@ -116,19 +116,20 @@ class StageRunner:
         self._pool = None
 
     def __call__(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """x: token ids [T] (first stage) or hidden [1, T, D]. Returns the stage output for the T tokens."""
+        """x: token ids [T] (first stage) or hidden [1, T, D], on the stage's device or the host (one copy
+        into the graph's input then). Returns the stage output for the T tokens, on the device."""
         stage = self.stage
         T = x.shape[0] if stage.first else x.shape[1]
         stage.rewind(start)
         if not self.graphs:
-            return stage.step(x)
+            return stage.step(x.to(self.device))
         if start + T > stage.max_len:
             raise ValueError(f"KV cache full: {start} + {T} tokens > {stage.max_len} slots")
         key = larger_captured(self._captured, T, start, stage.max_len)
         if key is None:
             P = padded(T) if start + padded(T) <= stage.max_len else T
             key = (P, span(start + P, stage.max_len))
-            self._capture(*key, pad(x, P, stage.first))
+            self._capture(*key, pad(x.to(self.device), P, stage.first))
         P = key[0]
         graph, x_in, start_in, out, _ = self._captured[key]
         if stage.first:

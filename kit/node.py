@@ -53,10 +53,11 @@ def to_payload(h: torch.Tensor, meta: dict) -> bytes:
     return encode_tensor(meta, str(h.dtype).removeprefix("torch."), tuple(h.shape), raw)
 
 
-def from_payload(payload: bytes, device: torch.device) -> tuple[dict, torch.Tensor]:
+def from_payload(payload: bytes) -> tuple[dict, torch.Tensor]:
+    """The meta and the tensor, still on the host: a stage's runner copies it straight into its graph's input."""
     meta, dtype, shape, data = decode_tensor(payload)  # received payloads are writable: no copy on the host
     t = torch.frombuffer(data, dtype=TORCH_DTYPES[dtype]) if len(data) else torch.empty(0, dtype=TORCH_DTYPES[dtype])
-    return meta, t.view(shape).to(device)
+    return meta, t.view(shape)
 
 
 def memory_report() -> dict:
@@ -118,7 +119,7 @@ class StageServer:
 
     def on_tensor(self, frame: Frame) -> None:
         dev = self.stage.device
-        meta, h = from_payload(frame.payload, dev)
+        meta, h = from_payload(frame.payload)
         start, T = meta["start"], h.shape[1]
         if meta["gen"] < self.gen:
             return  # a frame of a generation node 0 has already replaced
@@ -132,7 +133,7 @@ class StageServer:
         meta["host_ms"] = meta.get("host_ms", []) + [(t0 - frame.received) * 1000 if frame.received else 0.0]
         if meta["kind"] == "prefill":
             self.stage.rewind(start)
-            out = self.stage.step(h, head=False) if T else h
+            out = self.stage.step(h.to(dev), head=False) if T else h.to(dev)
             if meta.get("final") and self.last:
                 self.frontier = (meta["end"], meta["next"])
                 self.sampling = Sampling(**meta["sampling"])
@@ -395,7 +396,7 @@ class Driver:
         self.rid += 1
         tokens = [base[-1], *drafts]
         t0 = time.perf_counter()
-        h = self.runner(torch.tensor(tokens, device=self.stage.device), len(base) - 1)
+        h = self.runner(torch.tensor(tokens), len(base) - 1)
         sync(self.stage.device)
         t1 = time.perf_counter()
         meta = {"kind": "round", "gen": self.gen, "rid": self.rid, "start": len(base) - 1, "tokens": tokens,

@@ -83,12 +83,13 @@ def test_distributed_equals_target_only(models, tmp_path, stages, draft, depth):
     assert result["generated_tokens"] == 40 and result["finish_reason"] == "length"
     rows = [json.loads(line) for line in (tmp_path / "m" / "rounds.jsonl").read_text().splitlines()]
     assert sum(r["committed"] for r in rows) == 40 and all(len(r["stage_ms"]) == stages for r in rows)
-    # the parts of a round are disjoint stretches of it: draft, stage passes, node 0 packing and sending,
-    # each later stage's frame-to-compute time, node 0 waking up on the verdict
+    # the parts of a round are disjoint stretches of it: draft, stage passes, each later stage's
+    # frame-to-compute time, node 0 waking up on the verdict (node 0's send may still be returning while
+    # stage 1 already works on the frame, so it only has to fit in the round)
     for r in rows:
-        parts = r["draft_ms"] + sum(r["stage_ms"]) + r["send_ms"] + sum(r["host_ms"]) + r["wake_ms"]
+        parts = r["draft_ms"] + sum(r["stage_ms"]) + sum(r["host_ms"]) + r["wake_ms"]
         assert len(r["host_ms"]) == stages - 1 and min(r["send_ms"], r["wake_ms"], *r["host_ms"]) > 0
-        assert parts <= r["round_ms"] + 0.01, r
+        assert parts <= r["round_ms"] + 0.01 and r["send_ms"] < r["round_ms"], r
     if draft == "target" and depth != "adaptive":  # a perfect drafter: every round commits K + 1 tokens
         assert result["tokens_per_round"] == 5.0
     if depth == "adaptive":  # K is chosen per round, within 1..4, and full acceptance drives it up
