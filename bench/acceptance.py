@@ -65,6 +65,23 @@ def summarise(gen, k: int) -> dict:
     }
 
 
+def runner_up(drafter, ids: list[int], answer: list[int]) -> dict | None:
+    """Teacher-forced over the target's own answer: how often the drafter's top token is the target's,
+    and, where it is not, how often its second is (what guessing the correction token from the drafter's
+    runner-up, to draft on while a round is out, could win). Model drafters only."""
+    stage = getattr(drafter, "stage", None)
+    if stage is None or not answer:
+        return None
+    stage.rewind(0)
+    logits = stage.step(torch.tensor(ids + answer[:-1], device=stage.device))[0, len(ids) - 1:]
+    top = logits[:, : drafter.vocab_limit].topk(2, dim=-1).indices
+    want = torch.tensor(answer, device=top.device)
+    wrong = top[:, 0] != want
+    drafter.fed = []  # its cache no longer holds what it drafted
+    return {"top1_agreement": round(1 - wrong.float().mean().item(), 4),
+            "runner_up_when_wrong": round((top[:, 1] == want)[wrong].float().mean().item(), 4) if wrong.any() else None}
+
+
 def run(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
@@ -96,6 +113,13 @@ def run(args: argparse.Namespace) -> dict:
                     print(f"{spec:>8} K={k} {name:<8} {rows[-1]['tokens_per_round']:.2f} tokens/round over "
                           f"{rows[-1]['rounds']} rounds, by position {rows[-1]['acceptance_by_position']}"
                           f"{'' if same else '  OUTPUT DIFFERS'}", flush=True)
+            forced = runner_up(drafter, ids, reference)
+            if forced:
+                print(f"{spec:>8} {name:<8} teacher-forced: top-1 {forced['top1_agreement']:.2f}, "
+                      f"runner-up when wrong {forced['runner_up_when_wrong']}", flush=True)
+                for row in rows:
+                    if row["drafter"] == spec and row["prompt"] == name:
+                        row["teacher_forced"] = forced
     return {
         "benchmark": "acceptance",
         "command": args.command or command_line(),
@@ -115,7 +139,10 @@ def run(args: argparse.Namespace) -> dict:
         "all_identical_to_target_only": not mismatches,
         "notes": "tokens_per_round = generated tokens / rounds (none = 1). acceptance_by_position[i-1] = share of "
                  "rounds that proposed at least i drafts in which draft i was accepted. ngram may propose fewer "
-                 "than K drafts (or none) in a round. seconds are CPU wall time, informative only.",
+                 "than K drafts (or none) in a round. seconds are CPU wall time, informative only. "
+                 "teacher_forced (model drafters): the drafter run over the target-only answer; top1_agreement "
+                 "= share of answer tokens that are its top token, runner_up_when_wrong = share of the others "
+                 "that are its second.",
     }
 
 

@@ -55,3 +55,27 @@ def test_e2e_bench_planted_acceptance_and_identical_output(tmp_path):
     assert spec["steady"]["rounds"] + spec["steady"]["excluded_rounds"] == sum(
         r["prompt"] == 1 for r in spec["rounds"])
     assert {"command", "hardware", "versions", "floors"} <= set(d)
+
+
+def test_runner_up_rates_are_measured_against_the_targets_answer(tmp_path):
+    """bench/acceptance.py's teacher-forced rates: a drafter that is the target itself agrees on every
+    answer token; one that is not disagrees somewhere and its runner-up rate is a share."""
+    import torch
+
+    from bench.acceptance import runner_up
+    from kit.draft import NoDrafter, make_drafter
+    from kit.generate import generate
+    from kit.graphs import StageRunner
+    from kit.load import load_stage
+    from conftest import make_tiny
+
+    folder = make_tiny(tmp_path / "t", "qwen2", vocab=256, layers=4, hidden=64)
+    torch.manual_seed(0)
+    target = load_stage(str(folder), 0, 4, progress=False, max_len=128)
+    prompt = [5, 17, 33, 2, 90]
+    answer = generate([StageRunner(target)], NoDrafter(), prompt, max_new_tokens=24).token_ids
+    itself = runner_up(make_drafter(str(folder), str(folder), max_len=128, progress=False), prompt, answer)
+    assert itself == {"top1_agreement": 1.0, "runner_up_when_wrong": None}
+    shallow = runner_up(make_drafter("self:1", str(folder), target, max_len=128, progress=False), prompt, answer)
+    assert shallow["top1_agreement"] < 1.0 and 0.0 <= shallow["runner_up_when_wrong"] <= 1.0
+    assert runner_up(NoDrafter(), prompt, answer) is None
