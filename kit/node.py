@@ -296,45 +296,47 @@ class Driver:
         self.prefill(context, opts.sampling)
         flights: collections.deque[Flight] = collections.deque()
         done = None  # the last verdict's bookkeeping, done once the next round is on the wire
-        while reason is None:
-            try:
-                self.fill(flights, context, out, opts, adaptive)
-                if done:
-                    self.report(*done)
-                    done = None
-                if not flights:
-                    reason = "length"
-                    break
-                ids, vmeta = self.wait_verdict(flights, opts, progress_at)
-            except Replay:
-                replays += 1
-                flights.clear()
-                self.prefill(context, opts.sampling)
+        try:
+            while reason is None:
+                try:
+                    self.fill(flights, context, out, opts, adaptive)
+                    if done:
+                        self.report(*done)
+                        done = None
+                    if not flights:
+                        reason = "length"
+                        break
+                    ids, vmeta = self.wait_verdict(flights, opts, progress_at)
+                except Replay:
+                    replays += 1
+                    flights.clear()
+                    self.prefill(context, opts.sampling)
+                    progress_at = time.monotonic()
+                    continue
                 progress_at = time.monotonic()
-                continue
-            progress_at = time.monotonic()
-            f = flights.popleft()
-            accepted = vmeta["accepted"]
-            before = len(out)
-            reason = commit(out, ids, opts.max_new_tokens, eos_ids, stop)
-            new = out[before:]
-            context[len(prompt):] = out
-            now = time.perf_counter()
-            first_token_at = first_token_at or now
-            rounds += 1
-            if adaptive:
-                adaptive.update(len(f.drafts), accepted)
-                adaptive.measure((now - f.began) * 1000 - f.draft_ms, f.draft_ms, len(f.drafts))
-            full = accepted == len(f.drafts) and reason is None
-            if flights and not (full and flights[0].base[-1] == ids[-1]):
-                flights.clear()  # built on a guess that failed; the last stage discards them too
-            if full and f.spec and f.spec[0] == ids[-1] and not flights:
-                self.pending_spec = (list(context), f.spec[1:])
-            done = (f, vmeta, new, now, t0, out)
-            if len(context) >= self.stage.max_len and reason is None:
-                reason = "length"
-        if done:
-            self.report(*done)
+                f = flights.popleft()
+                accepted = vmeta["accepted"]
+                before = len(out)
+                reason = commit(out, ids, opts.max_new_tokens, eos_ids, stop)
+                new = out[before:]
+                context[len(prompt):] = out
+                now = time.perf_counter()
+                first_token_at = first_token_at or now
+                rounds += 1
+                if adaptive:
+                    adaptive.update(len(f.drafts), accepted)
+                    adaptive.measure((now - f.began) * 1000 - f.draft_ms, f.draft_ms, len(f.drafts))
+                full = accepted == len(f.drafts) and reason is None
+                if flights and not (full and flights[0].base[-1] == ids[-1]):
+                    flights.clear()  # built on a guess that failed; the last stage discards them too
+                if full and f.spec and f.spec[0] == ids[-1] and not flights:
+                    self.pending_spec = (list(context), f.spec[1:])
+                done = (f, vmeta, new, now, t0, out)
+                if len(context) >= self.stage.max_len and reason is None:
+                    reason = "length"
+        finally:  # also when a stage times out: the last verdict is still shown and written
+            if done:
+                self.report(*done)
         end = time.perf_counter()
         first_token_at = first_token_at or end
         after = end - first_token_at
