@@ -61,13 +61,13 @@ def test_runner_up_rates_are_measured_against_the_targets_answer(tmp_path):
     """bench/acceptance.py's teacher-forced rates: a drafter that is the target itself agrees on every
     answer token; one that is not disagrees somewhere and its runner-up rate is a share."""
     import torch
+    from conftest import make_tiny
 
     from bench.acceptance import runner_up
     from kit.draft import NoDrafter, make_drafter
     from kit.generate import generate
     from kit.graphs import StageRunner
     from kit.load import load_stage
-    from conftest import make_tiny
 
     folder = make_tiny(tmp_path / "t", "qwen2", vocab=256, layers=4, hidden=64)
     torch.manual_seed(0)
