@@ -3,7 +3,8 @@
 Why we own this (DESIGN decision 1, the hot path): a Qwen2.5-0.5B step reads 1 GB, 0.23 ms at an H200's
 4.2 TB/s, but written as PyTorch ops a layer is ~12 kernels even after torch.compile has fused what it
 can, and at one token each kernel is mostly launch and tail: 8.0 ms for an 8-token draft, 4.3x the
-floor. Here a layer is five kernels (5.6 ms for those 8 tokens; bench/NOTES.md, v5):
+floor. Here a layer is five kernels (4.6 ms for those 8 tokens on an H200, with dependent launch;
+bench/NOTES.md, v5 and v6):
 
   1. qkv     RMSNorm of x, the joined q/k/v rows, bias, q/k norm (Qwen3), rope; K and V go to the cache
   2. attend  a block of cache slots per program: scores, masked softmax statistics, P.V
@@ -14,7 +15,9 @@ floor. Here a layer is five kernels (5.6 ms for those 8 tokens; bench/NOTES.md, 
 and the head is RMSNorm + logits + an argmax per block of rows. Every program of a projection reads the
 whole input vector (a few KB, from L2) and normalises it itself, so norms need no kernel of their own.
 Rounding follows the PyTorch path (fp16 after each projection, norm and activation; fp32 inside), so
-drafts match the eager drafter's up to near-ties. Tests run these kernels on CPU with TRITON_INTERPRET=1.
+drafts match the eager drafter's up to near-ties. On compute capability 9.0+ every kernel is launched with
+programmatic dependent launch and loads its weights while the previous kernel finishes (`_after_previous`).
+Tests run these kernels on CPU with TRITON_INTERPRET=1.
 """
 from __future__ import annotations
 
