@@ -87,6 +87,28 @@ if triton is not None:
         return (w * (x.to(tl.float32) * rstd).to(x.dtype)).to(tl.float32)
 
     @triton.jit
+    def _two_projections(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, row_ok, eps, D: tl.constexpr,
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        """Rows rows_a and rows_b of w [*, D] times RMSNorm(x), in fp32; the weights' first chunk is
+        loaded before waiting on the previous kernel."""
+        k = tl.arange(0, BLOCK_K)
+        m = row_ok[:, None] & (k < D)[None, :]
+        w_a = tl.load(w_ptr + rows_a[:, None] * D + k[None, :], mask=m, other=0.0)
+        w_b = tl.load(w_ptr + rows_b[:, None] * D + k[None, :], mask=m, other=0.0)
+        _after_previous(PDL)
+        rstd = _rstd(x_ptr, D, BLOCK_K, eps)
+        h = _normed(x_ptr, nw_ptr, k, D, rstd)[None, :]
+        acc_a = w_a.to(tl.float32) * h
+        acc_b = w_b.to(tl.float32) * h
+        for k0 in range(BLOCK_K, D, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            h = _normed(x_ptr, nw_ptr, k, D, rstd)[None, :]
+            m = row_ok[:, None] & (k < D)[None, :]
+            acc_a += tl.load(w_ptr + rows_a[:, None] * D + k[None, :], mask=m, other=0.0).to(tl.float32) * h
+            acc_b += tl.load(w_ptr + rows_b[:, None] * D + k[None, :], mask=m, other=0.0).to(tl.float32) * h
+        return tl.sum(acc_a, 1), tl.sum(acc_b, 1)
+
+    @triton.jit
     def _qkv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr,
                     vc_ptr, max_len, eps, qk_eps, D: tl.constexpr, E: tl.constexpr, H: tl.constexpr,
                     G: tl.constexpr, P: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -98,22 +120,7 @@ if triton is not None:
         head = tl.program_id(0) // per_head
         i = (tl.program_id(0) % per_head) * P + tl.arange(0, P)
         rows_lo, rows_hi = head * E + i, head * E + HALF + i
-        k = tl.arange(0, BLOCK_K)
-        km = (k < D)[None, :]
-        w_lo = tl.load(w_ptr + rows_lo[:, None] * D + k[None, :], mask=km, other=0.0)
-        w_hi = tl.load(w_ptr + rows_hi[:, None] * D + k[None, :], mask=km, other=0.0)
-        _after_previous(PDL)
-        rstd = _rstd(x_ptr, D, BLOCK_K, eps)
-        h = _normed(x_ptr, nw_ptr, k, D, rstd)[None, :]
-        acc_lo = w_lo.to(tl.float32) * h
-        acc_hi = w_hi.to(tl.float32) * h
-        for k0 in range(BLOCK_K, D, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            h = _normed(x_ptr, nw_ptr, k, D, rstd)[None, :]
-            km = (k < D)[None, :]
-            acc_lo += tl.load(w_ptr + rows_lo[:, None] * D + k[None, :], mask=km, other=0.0).to(tl.float32) * h
-            acc_hi += tl.load(w_ptr + rows_hi[:, None] * D + k[None, :], mask=km, other=0.0).to(tl.float32) * h
-        lo, hi = tl.sum(acc_lo, 1), tl.sum(acc_hi, 1)
+        lo, hi = _two_projections(x_ptr, nw_ptr, w_ptr, rows_lo, rows_hi, i < HALF, eps, D, BLOCK_K, PDL)
         if HAS_BIAS:
             lo += tl.load(b_ptr + rows_lo).to(tl.float32)
             hi += tl.load(b_ptr + rows_hi).to(tl.float32)
@@ -220,25 +227,10 @@ if triton is not None:
         # program: rows n of silu(gate(norm(x))) * up(norm(x)); gate rows are 0..F-1 of w, up rows F..2F-1
         _let_next_start(PDL)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        nm = (n < F)[:, None]
-        k = tl.arange(0, BLOCK_K)
-        m = nm & (k < D)[None, :]
-        w_g = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=m, other=0.0)
-        w_u = tl.load(w_ptr + (F + n)[:, None] * D + k[None, :], mask=m, other=0.0)
-        _after_previous(PDL)
-        rstd = _rstd(x_ptr, D, BLOCK_K, eps)
-        h = _normed(x_ptr, nw_ptr, k, D, rstd)[None, :]
-        acc_g = w_g.to(tl.float32) * h
-        acc_u = w_u.to(tl.float32) * h
-        for k0 in range(BLOCK_K, D, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            h = _normed(x_ptr, nw_ptr, k, D, rstd)[None, :]
-            m = nm & (k < D)[None, :]
-            acc_g += tl.load(w_ptr + n[:, None] * D + k[None, :], mask=m, other=0.0).to(tl.float32) * h
-            acc_u += tl.load(w_ptr + (F + n)[:, None] * D + k[None, :], mask=m, other=0.0).to(tl.float32) * h
+        gate, up = _two_projections(x_ptr, nw_ptr, w_ptr, n, F + n, n < F, eps, D, BLOCK_K, PDL)
         dt = x_ptr.dtype.element_ty
-        gate = tl.sum(acc_g, 1).to(dt).to(tl.float32)
-        up = tl.sum(acc_u, 1).to(dt)
+        gate = gate.to(dt).to(tl.float32)
+        up = up.to(dt)
         act = (gate / (1.0 + tl.exp(-gate))).to(dt)
         tl.store(out_ptr + n, act * up, mask=n < F)
 
