@@ -242,6 +242,13 @@ def steady_state(rows: list[dict], rtt_ms: float, warmed: bool = False) -> dict:
                         wake_ms=med(r["wake_ms"] for r in best),
                         transit_over_rtt_ms=med(r["round_ms"] - r["draft_ms"] - sum(r["stage_ms"]) - r["send_ms"]
                                                 - sum(r["host_ms"]) - r["wake_ms"] - rtt_ms for r in best))
+    # overlap: a round whose drafts were made while the round before it was on the wire only takes them
+    for key, part in (("predrafted", [r for r in best if r.get("predrafted")]),
+                      ("drafted", [r for r in best if not r.get("predrafted")])):
+        s[key] = {"rounds": len(part)}
+        if part:
+            s[key].update(draft_ms_p50=med(r["draft_ms"] for r in part), round_ms_p50=med(r["round_ms"] for r in part),
+                          non_network_ms_p50=med(r["round_ms"] - rtt_ms for r in part))
     return s
 
 
@@ -350,6 +357,12 @@ def main(argv: list[str]) -> int:
             print(f"[e2e] {name:>10}  other = send {m['send_ms']:.2f} + stage host {m['host_ms']:.2f} + wake "
                   f"{m['wake_ms']:.2f} + transit {m['transit_over_rtt_ms']:.2f} over the rtt (a bare PING to "
                   f"stage 1: {ping - a.rtt_ms:.2f} over)", file=sys.stderr)
+        if s["predrafted"]["rounds"]:
+            h, d = s["predrafted"], s["drafted"]
+            print(f"[e2e] {name:>10}  drafts made while the round before was on the wire: {h['rounds']} of "
+                  f"{s['rounds']} rounds, draft {h['draft_ms_p50']:.2f} ms, non-network {h['non_network_ms_p50']:.1f} "
+                  f"ms (others: draft {d.get('draft_ms_p50', 0):.1f}, non-network {d.get('non_network_ms_p50', 0):.1f})",
+                  file=sys.stderr)
     ok = [c for c in out["configs"].values() if "error" not in c]
     ids = {c["name"]: [r["token_ids"] for r in c["results"]] for c in ok}
     out["identical_outputs"] = len({json.dumps(v) for k, v in ids.items() if k != "nf4-14b"}) <= 1

@@ -186,6 +186,7 @@ class Flight:
     stage0_ms: float
     send_ms: float  # stage 0's output packed and handed to the socket
     payload: bytes
+    predrafted: bool  # its drafts were made while the round before it was on the wire (overlap)
     spec: list[int] | None = None  # overlap: the drafter's guess [next, e1..eK] if this round is fully accepted
 
     @property
@@ -376,9 +377,11 @@ class Driver:
                 return
             want = adaptive.choose() if adaptive else opts.k
             t0 = time.perf_counter()
+            predrafted = False
             if not flights:
                 base = list(context)
-                if self.pending_spec and self.pending_spec[0] == base:
+                predrafted = bool(self.pending_spec and self.pending_spec[0] == base)
+                if predrafted:
                     drafts = self.pending_spec[1]  # drafted while the previous round was on the wire
                 else:
                     drafts = self.drafter.propose(base, self.clamp(want, base, room))
@@ -390,12 +393,12 @@ class Driver:
                 base, drafts = prev.assumed + props[:1], props[1:]
             self.pending_spec = None
             drafts = drafts[: self.clamp(want, base, room)]
-            self.send_round(flights, base, drafts, t0, opts)
+            self.send_round(flights, base, drafts, t0, opts, predrafted)
 
     def clamp(self, want: int, base: list[int], room: int) -> int:
         return max(0, min(want, room - 1, self.stage.max_len - len(base)))
 
-    def send_round(self, flights, base, drafts, began: float, opts: RunOptions) -> None:
+    def send_round(self, flights, base, drafts, began: float, opts: RunOptions, predrafted: bool) -> None:
         self.rid += 1
         tokens = [base[-1], *drafts]
         t0 = time.perf_counter()
@@ -407,7 +410,7 @@ class Driver:
         payload = to_payload(h, meta)
         self.client.send(1, FrameType.TENSOR, payload, round_id=self.rid)
         f = Flight(self.rid, base, drafts, began, (t0 - began) * 1000, (t1 - t0) * 1000,
-                   (time.perf_counter() - t1) * 1000, payload)
+                   (time.perf_counter() - t1) * 1000, payload, predrafted)
         flights.append(f)
         if opts.overlap and opts.depth == 1:
             # draft the next round while this one is on the wire, assuming it is fully accepted
@@ -463,7 +466,7 @@ class Driver:
         round_ms = (now - f.began) * 1000
         stage_ms = vmeta.get("stage_ms", [])
         row = {"round": f.rid, "prompt": self.prompt_index, "t": round(now - t0, 6), "k": len(f.drafts), "accepted": vmeta["accepted"],
-               "committed": len(new), "draft_ms": f.draft_ms, "stage_ms": stage_ms,
+               "committed": len(new), "draft_ms": f.draft_ms, "predrafted": f.predrafted, "stage_ms": stage_ms,
                "network_ms": max(0.0, round_ms - f.draft_ms - sum(stage_ms)), "round_ms": round_ms,
                "send_ms": f.send_ms, "host_ms": vmeta.get("host_ms", []), "wake_ms": vmeta.get("wake_ms", 0.0),
                "bytes_out": len(f.payload), "bytes_in": 8 + 4 * (vmeta["accepted"] + 1)}

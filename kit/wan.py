@@ -24,17 +24,21 @@ SIGUSR1 (or `WanEmulator.cut_all()`) aborts every proxied connection on both sid
 """
 
 import argparse
-import asyncio
+import collections
+import errno
 import logging
 import os
 import random
+import selectors
 import signal
 import socket
 import struct
 import sys
+import threading
+import time
 
 CHUNK = 64 * 1024
-SPIN_S = 0.0015  # see _sleep_until
+SPIN_S = 0.0003  # within this of a release the loop polls instead of sleeping: a sleep can wake ~0.1 ms late
 QUEUE_CHUNKS = 256  # per direction: at most 16 MiB waiting inside the emulator, then TCP backpressure
 
 log = logging.getLogger("kit.wan")
@@ -65,171 +69,335 @@ class _Link:
         return self.last
 
 
+class _Way:
+    """One direction of a connection: chunks read from `src` wait in `queue` for their release to `dst`."""
+
+    def __init__(self, src: socket.socket, dst: socket.socket, link: _Link, name: str):
+        self.src, self.dst, self.link, self.name = src, dst, link, name
+        self.queue: collections.deque[tuple[float, bytes | None]] = collections.deque()  # None: EOF
+        self.unsent = b""  # released, not yet taken by dst's socket buffer
+        self.read_eof = False
+        self.done = False  # EOF delivered
+        self.bytes = 0
+
+    def wants_read(self) -> bool:
+        return not self.read_eof and len(self.queue) < QUEUE_CHUNKS
+
+
 class _Conn:
-    def __init__(self, n: int, client: asyncio.StreamWriter, upstream: asyncio.StreamWriter):
-        self.n = n
-        self.client = client
-        self.upstream = upstream
-        self.tasks: list[asyncio.Task] = []
-        self.up = 0
-        self.down = 0
-        self.ended = False  # cut or closed by us; the handler must not log it again
+    def __init__(self, n: int, client: socket.socket, upstream: socket.socket, peer: str):
+        self.n, self.client, self.upstream, self.peer = n, client, upstream, peer
+        self.connected = False  # upstream connect() finished
+        self.ways: list[_Way] = []
+
+    @property
+    def up(self) -> int:
+        return self.ways[0].bytes if self.ways else 0
+
+    @property
+    def down(self) -> int:
+        return self.ways[1].bytes if self.ways else 0
 
 
-async def _sleep_until(loop: asyncio.AbstractEventLoop, when: float) -> None:
-    """Wake at `when` within ~0.1 ms: the event loop's epoll waits in whole milliseconds and would make
-    every hop ~1 ms late, so the last stretch is spent yielding to the loop instead of sleeping."""
-    while (wait := when - loop.time()) > 0:
-        await asyncio.sleep(wait - SPIN_S if wait > 2 * SPIN_S else 0)
-
-
-def _nodelay(writer: asyncio.StreamWriter) -> None:
-    sock = writer.get_extra_info("socket")
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def _abort(writer: asyncio.StreamWriter) -> None:
+def _abort(sock: socket.socket) -> None:
     """Close with RST: SO_LINGER 0 makes close() drop the connection instead of a graceful FIN."""
-    sock = writer.get_extra_info("socket")
     try:
-        if sock is not None and sock.fileno() >= 0:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     except OSError:
         pass
-    writer.transport.abort()
+    sock.close()
 
 
 class WanEmulator:
-    """One emulated WAN link in front of `upstream`; for in-process use, or run this module as a process.
+    """One emulated WAN link in front of `upstream`: one thread, one selector, no per-chunk task switches.
 
-    Counters: `connections_cut` (by cut_all), `bytes_up` (client -> upstream) and `bytes_down`
-    (upstream -> client), counting bytes delivered out of the emulator.
+    A chunk is read as soon as the selector reports it and written at its release time (the loop polls
+    instead of sleeping for the last SPIN_S before a release, or always with `spin`), so each hop adds
+    what the emulated link says and little else. `start()` serves from a background thread;
+    `serve_forever()` from the calling one. Counters: `connections_cut` (by cut_all), `bytes_up`
+    (client -> upstream) and `bytes_down` (upstream -> client), counting bytes delivered out of the emulator.
     """
 
     def __init__(self, upstream_host: str, upstream_port: int, *, listen_host: str = "127.0.0.1",
                  listen_port: int = 0, delay_ms: float = 0.0, jitter_ms: float = 0.0,
-                 bandwidth_mbit: float | None = None, seed: int | None = None):
-        self.upstream_host, self.upstream_port = upstream_host, upstream_port
+                 bandwidth_mbit: float | None = None, seed: int | None = None, spin: bool = False):
+        self.upstream = (upstream_host, upstream_port)
         self.listen_host, self.port = listen_host, listen_port
         self.delay_ms, self.jitter_ms, self.bandwidth_mbit, self.seed = delay_ms, jitter_ms, bandwidth_mbit, seed
+        self.spin = spin
         self.connections_cut = 0
         self.bytes_up = 0
         self.bytes_down = 0
-        self._server: asyncio.Server | None = None
-        self._conns: set[_Conn] = set()
-        self._handlers: set[asyncio.Task] = set()
+        self._sel = selectors.SelectSelector()  # select() sleeps to the microsecond; epoll rounds up to a ms
+        self._listener: socket.socket | None = None
+        self._conns: dict[socket.socket, _Conn] = {}  # both sockets of each connection
         self._count = 0
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._requests: collections.deque[tuple[str, threading.Event | None, list]] = collections.deque()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop_ident: int | None = None
+        self._family: int | None = None
+        self._upstream_addr: tuple | None = None
 
-    async def start(self) -> int:
-        """Start listening; returns the actual port (listen_port 0 picks a free one)."""
-        self._server = await asyncio.start_server(self._handle, self.listen_host, self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
+    def listen(self) -> int:
+        """Bind and listen; returns the actual port (listen_port 0 picks a free one)."""
+        family = socket.AF_INET6 if ":" in self.listen_host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((self.listen_host, self.port))
+        self._listener.listen(128)
+        self._listener.setblocking(False)
+        self.port = self._listener.getsockname()[1]
+        self._sel.register(self._listener, selectors.EVENT_READ)
+        self._sel.register(self._wake_r, selectors.EVENT_READ)
         return self.port
+
+    def resolve(self) -> None:
+        """Look the upstream up once (raises socket.gaierror): every connection then dials the same address."""
+        family, _, _, _, addr = socket.getaddrinfo(*self.upstream, type=socket.SOCK_STREAM)[0]
+        self._family, self._upstream_addr = family, addr
+
+    def start(self) -> int:
+        """Listen and serve from a background thread; returns the actual port."""
+        self.resolve()
+        port = self.listen()
+        self._thread = threading.Thread(target=self.serve_forever, name=f"wan:{port}", daemon=True)
+        self._thread.start()
+        return port
+
+    def serve_forever(self) -> None:
+        """Run the loop in this thread until close() or stop()."""
+        self._loop_ident = threading.get_ident()
+        try:
+            while not self._stopping:
+                self._turn()
+        finally:
+            self._shutdown()
 
     def cut_all(self) -> int:
         """Abort every proxied connection on both sides (RST); keep listening. Returns how many."""
-        conns = sorted(self._conns, key=lambda c: c.n)
+        return self._ask("cut")
+
+    def stop(self) -> None:
+        """Ask the loop to close every connection (FIN) and return; safe from a signal handler."""
+        self._post("stop", None, [])
+
+    def close(self) -> None:
+        """Stop listening and close every connection (FIN; data still waiting in the link is dropped)."""
+        self.stop()
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def request_cut(self) -> None:
+        """cut_all() without waiting for it: for a signal handler."""
+        self._post("cut", None, [])
+
+    def _ask(self, what: str) -> int:
+        if threading.get_ident() == self._loop_ident or self._thread is None and self._loop_ident is None:
+            return self._do(what)
+        done, result = threading.Event(), []
+        self._post(what, done, result)
+        if not done.wait(10):
+            raise TimeoutError(f"wan:{self.port}: the loop did not answer {what!r}")
+        return result[0]
+
+    def _post(self, what: str, done: threading.Event | None, result: list) -> None:
+        self._requests.append((what, done, result))
+        try:
+            self._wake_w.send(b"x")
+        except OSError:  # buffer full (a wake-up is pending anyway) or closed
+            pass
+
+    def _do(self, what: str) -> int:
+        if what == "stop":
+            self._stopping = True
+            return 0
+        conns = sorted({id(c): c for c in self._conns.values()}.values(), key=lambda c: c.n)
         for conn in conns:
             self._end(conn, abort=True)
             log.info("wan:%d cut #%d up=%d down=%d", self.port, conn.n, conn.up, conn.down)
         self.connections_cut += len(conns)
         return len(conns)
 
-    async def close(self) -> None:
-        """Stop listening and close every connection (FIN; data still waiting in the link is dropped)."""
-        if self._server is not None:
-            self._server.close()
-        for conn in list(self._conns):
-            self._end(conn, abort=False)
-            log.info("wan:%d close #%d up=%d down=%d (shutdown)", self.port, conn.n, conn.up, conn.down)
-        for task in list(self._handlers):
-            task.cancel()
-        await asyncio.gather(*self._handlers, return_exceptions=True)
-        if self._server is not None:
-            await self._server.wait_closed()
+    def _turn(self) -> None:
+        due = min((w.queue[0][0] for c in self._live() for w in c.ways if w.queue and not w.unsent), default=None)
+        if self.spin:
+            timeout = 0.0
+        elif due is None:
+            timeout = None
+        else:
+            timeout = max(0.0, due - time.perf_counter() - SPIN_S)
+        for key, mask in self._sel.select(timeout):
+            sock = key.fileobj
+            if sock is self._listener:
+                self._accept()
+            elif sock is self._wake_r:
+                self._serve_requests()
+            elif sock in self._conns:
+                self._ready(self._conns[sock], sock, mask)
+        now = time.perf_counter()
+        for conn in self._live():
+            for way in conn.ways:
+                if way.queue and not way.unsent and way.queue[0][0] <= now:
+                    self._deliver(conn, way)
+
+    def _live(self) -> list[_Conn]:
+        return list({id(c): c for c in self._conns.values()}.values())
+
+    def _serve_requests(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        while self._requests:
+            what, done, result = self._requests.popleft()
+            result.append(self._do(what))
+            if done is not None:
+                done.set()
+
+    def _accept(self) -> None:
+        try:
+            client, addr = self._listener.accept()
+        except BlockingIOError:
+            return
+        self._count += 1
+        n = self._count
+        peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "?"
+        client.setblocking(False)
+        client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        upstream = socket.socket(self._family, socket.SOCK_STREAM)
+        upstream.setblocking(False)
+        err = upstream.connect_ex(self._upstream_addr)
+        conn = _Conn(n, client, upstream, peer)
+        self._conns[client] = self._conns[upstream] = conn
+        if err not in (0, errno.EINPROGRESS):
+            self._unreachable(conn, os.strerror(err))
+            return
+        self._sel.register(upstream, selectors.EVENT_WRITE)  # connect() done when writable
+
+    def _unreachable(self, conn: _Conn, why: str) -> None:
+        log.warning("wan:%d #%d from %s: upstream %s:%d unreachable: %s", self.port, conn.n, conn.peer,
+                    *self.upstream, why)
+        self._forget(conn)
+        _abort(conn.client)
+        conn.upstream.close()
+
+    def _ready(self, conn: _Conn, sock: socket.socket, mask: int) -> None:
+        if not conn.connected:  # only the upstream is registered until its connect() finishes
+            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                self._sel.unregister(sock)
+                self._unreachable(conn, os.strerror(err))
+                return
+            conn.connected = True
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.ways = [_Way(conn.client, conn.upstream, self._link(conn.n, "up"), "up"),
+                         _Way(conn.upstream, conn.client, self._link(conn.n, "down"), "down")]
+            self._sel.unregister(sock)
+            self._sel.register(conn.client, selectors.EVENT_READ)
+            self._sel.register(conn.upstream, selectors.EVENT_READ)
+            log.info("wan:%d open #%d %s -> %s:%d", self.port, conn.n, conn.peer, *self.upstream)
+            return
+        try:
+            for way in conn.ways:
+                if way.src is sock and mask & selectors.EVENT_READ and way.wants_read():
+                    data = sock.recv(CHUNK)
+                    way.queue.append((way.link.release_time(time.perf_counter(), len(data)), data or None))
+                    way.read_eof = not data
+                if way.dst is sock and mask & selectors.EVENT_WRITE and way.unsent:
+                    self._write(conn, way, way.unsent)
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as e:
+            self._closed(conn, f" reset: {e!r}", abort=True)
+            return
+        self._interest(conn)
+
+    def _deliver(self, conn: _Conn, way: _Way) -> None:
+        _, data = way.queue.popleft()
+        try:
+            if data is None:
+                way.dst.shutdown(socket.SHUT_WR)
+                way.done = True
+                if all(w.done for w in conn.ways):
+                    self._closed(conn, "", abort=False)
+                    return
+            else:
+                self._write(conn, way, data)
+        except OSError as e:
+            self._closed(conn, f" reset: {e!r}", abort=True)
+            return
+        self._interest(conn)
+
+    def _write(self, conn: _Conn, way: _Way, data: bytes) -> None:
+        try:
+            sent = way.dst.send(data)
+        except BlockingIOError:
+            sent = 0
+        way.unsent = data[sent:]
+        way.bytes += sent
+        if way.name == "up":
+            self.bytes_up += sent
+        else:
+            self.bytes_down += sent
+
+    def _interest(self, conn: _Conn) -> None:
+        for sock in (conn.client, conn.upstream):
+            mask = 0
+            for way in conn.ways:
+                if way.src is sock and way.wants_read():
+                    mask |= selectors.EVENT_READ
+                if way.dst is sock and way.unsent:
+                    mask |= selectors.EVENT_WRITE
+            try:
+                key = self._sel.get_key(sock)
+            except KeyError:
+                key = None
+            if key is None and mask:
+                self._sel.register(sock, mask)
+            elif key is not None and not mask:
+                self._sel.unregister(sock)
+            elif key is not None and key.events != mask:
+                self._sel.modify(sock, mask)
+
+    def _forget(self, conn: _Conn) -> None:
+        for sock in (conn.client, conn.upstream):
+            self._conns.pop(sock, None)
+            try:
+                self._sel.unregister(sock)
+            except (KeyError, ValueError):
+                pass
 
     def _end(self, conn: _Conn, abort: bool) -> None:
-        conn.ended = True
-        self._conns.discard(conn)
-        for task in conn.tasks:
-            task.cancel()
-        for writer in (conn.client, conn.upstream):
+        self._forget(conn)
+        for sock in (conn.client, conn.upstream):
             if abort:
-                _abort(writer)
+                _abort(sock)
             else:
-                writer.close()
+                sock.close()
+
+    def _closed(self, conn: _Conn, why: str, abort: bool) -> None:
+        self._end(conn, abort)
+        log.info("wan:%d close #%d up=%d down=%d%s", self.port, conn.n, conn.up, conn.down, why)
+
+    def _shutdown(self) -> None:
+        for conn in self._live():
+            self._end(conn, abort=False)
+            log.info("wan:%d close #%d up=%d down=%d (shutdown)", self.port, conn.n, conn.up, conn.down)
+        if self._listener is not None:
+            self._sel.unregister(self._listener)
+            self._listener.close()
+        self._sel.close()
+        self._wake_r.close()
+        self._wake_w.close()
 
     def _link(self, n: int, direction: str) -> _Link:
         rng = random.Random(f"{self.seed}:{n}:{direction}") if self.seed is not None else random.Random()
         return _Link(self.delay_ms, self.jitter_ms, self.bandwidth_mbit, rng)
-
-    async def _handle(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
-        self._handlers.add(asyncio.current_task())
-        self._count += 1
-        n = self._count
-        peer = cwriter.get_extra_info("peername")
-        peer = f"{peer[0]}:{peer[1]}" if peer else "?"
-        upstream = f"{self.upstream_host}:{self.upstream_port}"
-        try:
-            _nodelay(cwriter)
-            try:
-                ureader, uwriter = await asyncio.open_connection(self.upstream_host, self.upstream_port)
-            except OSError as e:
-                log.warning("wan:%d #%d from %s: upstream %s unreachable: %s", self.port, n, peer, upstream,
-                            e.strerror or e)
-                _abort(cwriter)
-                return
-            _nodelay(uwriter)
-            conn = _Conn(n, cwriter, uwriter)
-            self._conns.add(conn)
-            log.info("wan:%d open #%d %s -> %s", self.port, n, peer, upstream)
-            up, down = asyncio.Queue(QUEUE_CHUNKS), asyncio.Queue(QUEUE_CHUNKS)
-            conn.tasks = [
-                asyncio.create_task(self._read(creader, up, self._link(n, "up"))),
-                asyncio.create_task(self._send(up, uwriter, conn, "up")),
-                asyncio.create_task(self._read(ureader, down, self._link(n, "down"))),
-                asyncio.create_task(self._send(down, cwriter, conn, "down")),
-            ]
-            try:
-                done, _ = await asyncio.wait(conn.tasks, return_when=asyncio.FIRST_EXCEPTION)
-            finally:
-                for task in conn.tasks:
-                    task.cancel()
-            if conn.ended:
-                return
-            errors = [t.exception() for t in done if not t.cancelled() and t.exception() is not None]
-            self._end(conn, abort=bool(errors))
-            why = f" reset: {errors[0]!r}" if errors else ""
-            log.info("wan:%d close #%d up=%d down=%d%s", self.port, n, conn.up, conn.down, why)
-        except asyncio.CancelledError:  # close(); Python 3.11's streams would log a cancelled handler as an error
-            cwriter.close()
-        finally:
-            self._handlers.discard(asyncio.current_task())
-
-    async def _read(self, reader: asyncio.StreamReader, queue: asyncio.Queue, link: _Link) -> None:
-        loop = asyncio.get_running_loop()
-        while data := await reader.read(CHUNK):
-            await queue.put((link.release_time(loop.time(), len(data)), data))
-        await queue.put((link.release_time(loop.time(), 0), b""))
-
-    async def _send(self, queue: asyncio.Queue, writer: asyncio.StreamWriter, conn: _Conn, direction: str) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            release, data = await queue.get()
-            await _sleep_until(loop, release)
-            if not data:
-                if writer.can_write_eof():
-                    writer.write_eof()
-                return
-            if direction == "up":
-                conn.up += len(data)
-                self.bytes_up += len(data)
-            else:
-                conn.down += len(data)
-                self.bytes_down += len(data)
-            writer.write(data)
-            await writer.drain()
 
 
 def _host_port(text: str, allow_zero: bool) -> tuple[str, int]:
@@ -287,23 +455,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _spin() -> None:
-    while True:  # a ready task keeps the event loop's epoll from blocking
-        await asyncio.sleep(0)
-
-
-async def _serve(args: argparse.Namespace) -> int:
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     host, port = args.listen
-    up_host, up_port = args.upstream
+    emu = WanEmulator(*args.upstream, listen_host=host, listen_port=port, delay_ms=args.delay_ms,
+                      jitter_ms=args.jitter_ms, bandwidth_mbit=args.bandwidth_mbit, seed=args.seed, spin=args.spin)
     try:
-        await asyncio.get_running_loop().getaddrinfo(up_host, up_port, type=socket.SOCK_STREAM)
+        emu.resolve()
     except socket.gaierror as e:
-        print(f"python -m kit.wan: error: --upstream {up_host}: cannot resolve ({e.strerror})", file=sys.stderr)
+        print(f"python -m kit.wan: error: --upstream {args.upstream[0]}: cannot resolve ({e.strerror})", file=sys.stderr)
         return 2
-    emu = WanEmulator(up_host, up_port, listen_host=host, listen_port=port, delay_ms=args.delay_ms,
-                      jitter_ms=args.jitter_ms, bandwidth_mbit=args.bandwidth_mbit, seed=args.seed)
     try:
-        await emu.start()
+        emu.listen()
     except OSError as e:
         print(f"python -m kit.wan: error: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr)
         return 1
@@ -312,28 +476,16 @@ async def _serve(args: argparse.Namespace) -> int:
         with open(tmp, "w") as f:
             f.write(f"{emu.port}\n")
         os.replace(tmp, args.ready_file)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGUSR1, emu.cut_all)
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, stop.set)
-    spinner = loop.create_task(_spin()) if args.spin else None
+    signal.signal(signal.SIGUSR1, lambda *_: emu.request_cut())
+    signal.signal(signal.SIGTERM, lambda *_: emu.stop())
+    signal.signal(signal.SIGINT, lambda *_: emu.stop())
     bw = f"{args.bandwidth_mbit} Mbit/s" if args.bandwidth_mbit else "no cap"
     log.info("wan:%d listening on %s:%d -> %s:%d delay=%gms jitter=%gms bandwidth=%s", emu.port, host, emu.port,
-             up_host, up_port, args.delay_ms, args.jitter_ms, bw)
-    await stop.wait()
-    if spinner:
-        spinner.cancel()
-    await emu.close()
+             *args.upstream, args.delay_ms, args.jitter_ms, bw)
+    emu.serve_forever()
     log.info("wan:%d stopped, cut %d connections, up=%d down=%d bytes", emu.port, emu.connections_cut,
              emu.bytes_up, emu.bytes_down)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    return asyncio.run(_serve(args))
 
 
 if __name__ == "__main__":

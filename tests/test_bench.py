@@ -49,6 +49,11 @@ def test_e2e_bench_planted_acceptance_and_identical_output(tmp_path):
     # bare PING through the same emulated path costs at least the emulated round trip
     assert min(p50["send_ms"], p50["host_ms"], p50["wake_ms"], p50["transit_over_rtt_ms"]) > 0
     assert d["configs"]["spec"]["ping_ms"]["1"] >= 20
+    # overlap: rounds whose drafts were made while the round before was on the wire only take them
+    hidden, drafted = d["configs"]["spec"]["steady"]["predrafted"], d["configs"]["spec"]["steady"]["drafted"]
+    assert hidden["rounds"] > 0 and drafted["rounds"] > 0
+    assert hidden["draft_ms_p50"] < drafted["draft_ms_p50"] / 2
+    assert d["configs"]["depth2"]["steady"]["predrafted"]["rounds"] == 0
     # the prompt runs twice (warm-up, then measured): steady rounds are the second pass's only
     spec = d["configs"]["spec"]
     assert len(spec["results"]) == 2 and spec["results"][0]["token_ids"] == spec["results"][1]["token_ids"]

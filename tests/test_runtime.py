@@ -94,6 +94,11 @@ def test_distributed_equals_target_only(models, tmp_path, stages, draft, depth):
         assert result["tokens_per_round"] == 5.0
     if depth == "adaptive":  # K is chosen per round, within 1..4, and full acceptance drives it up
         assert all(1 <= r["k"] <= 4 for r in rows) and rows[-2]["k"] >= rows[0]["k"]
+    if draft == "target" and depth == "adaptive":  # one round in flight, overlap on, every guess holds:
+        # each round after the first was drafted while the one before it was on the wire
+        assert [r["predrafted"] for r in rows] == [False] + [True] * (len(rows) - 1)
+    if draft == "none" or depth == 3:  # nothing to guess with, or rounds in flight instead of overlap
+        assert not any(r["predrafted"] for r in rows)
 
 
 @pytest.mark.timeout(300)
