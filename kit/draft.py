@@ -61,58 +61,33 @@ class ModelDrafter:
         self.kernels = (self.graphs if kernels is None else kernels) and fused_kernels.available(stage)
         self.compile = compile_mode(stage, compile) if self.graphs and not self.kernels else None
         self._step_fn = compiled(self._step, self.compile) if self.compile else self._step
-        self._fed: list[int] = []
-        self._unread: tuple[list[int], torch.Tensor] | None = None  # (context, ids) of the last draft
+        self.fed: list[int] = []
         # per catch-up count c (0 or 1): (k, span) -> (graph, token buffer [c + 1], start, drafts)
         self._captured: dict[int, dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor,
                                                                 torch.Tensor]]] = {0: {}, 1: {}}
         self._pool = None
 
-    @property
-    def fed(self) -> list[int]:
-        """The tokens the cache holds: the last draft's are read from the device only when asked for
-        (by the next round, long after they were made)."""
-        if self._unread is not None:
-            before, ids = self._unread
-            self._fed, self._unread = before + ids[1:-1].tolist(), None
-        return self._fed
-
-    @fed.setter
-    def fed(self, tokens: list[int]) -> None:
-        self._fed, self._unread = tokens, None
-
     def propose(self, context: list[int], k: int) -> list[int]:
-        ids = self.propose_ids(context, k)
-        return ids[1:].tolist() if ids is not None else []
-
-    def propose_ids(self, context: list[int], k: int) -> torch.Tensor | None:
-        """The round's ids [context[-1], d1..dk] on the drafter's device, possibly still being computed:
-        a stage on the same device consumes them in stream order, with no stop at the host in between.
-        None where nothing can be drafted (k <= 0, empty context, cache full)."""
         if k <= 0 or not context:
-            return None
+            return []
         stage = self.stage
         if len(context) + k > stage.max_len:
-            return None
+            return []
         n_vocab = stage.cfg.vocab_size  # ids beyond the drafter's embedding (target-only padding) read as 0
-        last = context[-1]
         context = [t if t < n_vocab else 0 for t in context]
         common = 0
-        fed = self.fed
-        limit = min(len(fed), len(context) - 1)  # the last context token always goes through the loop
-        while common < limit and fed[common] == context[common]:
+        limit = min(len(self.fed), len(context) - 1)  # the last context token always goes through the loop
+        while common < limit and self.fed[common] == context[common]:
             common += 1
         stage.rewind(common)
         feed = context[common:]  # tokens the cache lacks; the last one starts the loop
         if len(feed) > 2:  # a prompt or a replay: one eager pass; one catch-up token (after a fully
             stage.step(torch.tensor(feed[:-2], device=stage.device))  # accepted round) rides in the graph
             common, feed = len(context) - 2, feed[-2:]
-        ids = self._loop(feed, common, k)
-        self._fed, self._unread = context, (context, ids)  # the cache also holds d1..d(k-1)
-        stage.length = len(context) + k - 1
-        if last != context[-1]:
-            ids[0] = last
-        return ids
+        drafts = self._loop(feed, common, k)
+        self.fed = context + drafts[:-1]
+        stage.length = len(self.fed)
+        return drafts
 
     def _step(self, tok: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         if self.kernels:
@@ -121,8 +96,7 @@ class ModelDrafter:
         return argmax(logits)
 
     def _body(self, toks: torch.Tensor, start: torch.Tensor, out: torch.Tensor, k: int, S: int) -> None:
-        """Feed toks [c + 1] from position `start` (the first c only fill the cache), then draft k;
-        out [k + 1] = [toks[-1], d1..dk]."""
+        """Feed toks [c + 1] from position `start` (the first c only fill the cache), then draft k."""
         slots = torch.arange(S, device=self.stage.device)
         torch._dynamo.maybe_mark_dynamic(slots, 0)
         pos = start.clone()
@@ -130,18 +104,17 @@ class ModelDrafter:
             self._step_fn(toks[i : i + 1], pos, slots)
             pos = pos + 1
         tok = toks[-1:]
-        out[:1].copy_(tok)
         for i in range(k):
             tok = self._step_fn(tok, pos, slots)
-            out[i + 1 : i + 2].copy_(tok)
+            out[i : i + 1].copy_(tok)
             pos = pos + 1
 
-    def _loop(self, feed: list[int], start: int, k: int) -> torch.Tensor:
+    def _loop(self, feed: list[int], start: int, k: int) -> list[int]:
         dev, c = self.stage.device, len(feed) - 1
         if not self.graphs:
-            out = torch.empty(k + 1, dtype=torch.long, device=dev)
+            out = torch.empty(k, dtype=torch.long, device=dev)
             self._body(torch.tensor(feed, device=dev), torch.tensor([start], device=dev), out, k, start + c + k)
-            return out
+            return out.tolist()
         captured = self._captured[c]
         # exactly k steps: a longer loop would serve too, but every extra step costs the round a drafter
         # step (the 9-step pre-draft once served the 8-step drafts after a verdict); capturing is cheap,
@@ -162,13 +135,13 @@ class ModelDrafter:
         start_t.fill_(start)
         with torch.cuda.device(dev):  # the drafter may live on another GPU than the stage
             graph.replay()
-        return out
+        return out[:k].tolist()
 
     def _capture(self, c: int, k: int, S: int) -> None:
         dev, stage = self.stage.device, self.stage
         toks = torch.zeros(c + 1, dtype=torch.long, device=dev)
         start = torch.full((1,), stage.max_len - c - k, dtype=torch.long, device=dev)
-        out = torch.zeros(k + 1, dtype=torch.long, device=dev)
+        out = torch.zeros(k, dtype=torch.long, device=dev)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         with scratch_tail(stage, c + k):

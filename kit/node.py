@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from kit.client import RelayClient
-from kit.draft import ModelDrafter, check_same_tokenizer, make_drafter
+from kit.draft import check_same_tokenizer, make_drafter
 from kit.generate import AdaptiveK, commit
 from kit.graphs import StageRunner
 from kit.load import CheckpointError, load_config, load_stage, parse_dtype, resolve
@@ -222,9 +222,6 @@ class Driver:
                  on_tokens=None):
         self.client, self.stage, self.drafter = client, stage, drafter
         self.runner = StageRunner(stage, graphs)
-        # drafts go from the drafter to stage 0 on the device when both replay CUDA graphs on one GPU
-        self.chain = (isinstance(drafter, ModelDrafter) and drafter.graphs and self.runner.graphs
-                      and drafter.stage.device == stage.device)
         self.n = client.stages
         self.metrics, self.progress, self.log, self.on_tokens = metrics, progress, log, on_tokens
         self.boots: dict[int, str] = {}
@@ -386,9 +383,6 @@ class Driver:
                 predrafted = bool(self.pending_spec and self.pending_spec[0] == base)
                 if predrafted:
                     drafts = self.pending_spec[1]  # drafted while the previous round was on the wire
-                elif self.chain:
-                    drafts = self.drafter.propose_ids(base, self.clamp(want, base, room))
-                    drafts = [] if drafts is None else drafts
                 else:
                     drafts = self.drafter.propose(base, self.clamp(want, base, room))
             else:
@@ -398,43 +392,25 @@ class Driver:
                     return  # nothing to guess the next token with: wait for the verdict
                 base, drafts = prev.assumed + props[:1], props[1:]
             self.pending_spec = None
-            if isinstance(drafts, list):
-                drafts = drafts[: self.clamp(want, base, room)]
+            drafts = drafts[: self.clamp(want, base, room)]
             self.send_round(flights, base, drafts, t0, opts, predrafted)
 
     def clamp(self, want: int, base: list[int], room: int) -> int:
         return max(0, min(want, room - 1, self.stage.max_len - len(base)))
 
-    def send_round(self, flights, base, drafts: list[int] | torch.Tensor, began: float, opts: RunOptions,
-                   predrafted: bool) -> None:
-        """Stage 0 on [base[-1], *drafts] and off to stage 1. `drafts` may be the drafter's ids on this
-        device, still being computed: stage 0 is queued behind them, and the host waits once for both."""
+    def send_round(self, flights, base, drafts, began: float, opts: RunOptions, predrafted: bool) -> None:
         self.rid += 1
-        start = len(base) - 1
-        t0 = time.perf_counter()
-        if isinstance(drafts, torch.Tensor):
-            stream = torch.cuda.current_stream(self.stage.device)
-            drafted, staged = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            drafted.record(stream)
-            h = self.runner(drafts, start)
-            staged.record(stream)
-            sync(self.stage.device)
-            t1 = time.perf_counter()
-            stage_ms = drafted.elapsed_time(staged)  # the GPU's time; the host's share goes to the draft
-            draft_ms = (t1 - began) * 1000 - stage_ms
-            drafts = drafts[1:].tolist()
-        else:
-            h = self.runner(torch.tensor([base[-1], *drafts]), start)
-            sync(self.stage.device)
-            t1 = time.perf_counter()
-            stage_ms, draft_ms = (t1 - t0) * 1000, (t0 - began) * 1000
         tokens = [base[-1], *drafts]
-        meta = {"kind": "round", "gen": self.gen, "rid": self.rid, "start": start, "tokens": tokens,
-                "stage_ms": [stage_ms]}
+        t0 = time.perf_counter()
+        h = self.runner(torch.tensor(tokens), len(base) - 1)
+        sync(self.stage.device)
+        t1 = time.perf_counter()
+        meta = {"kind": "round", "gen": self.gen, "rid": self.rid, "start": len(base) - 1, "tokens": tokens,
+                "stage_ms": [(t1 - t0) * 1000]}
         payload = to_payload(h, meta)
         self.client.send(1, FrameType.TENSOR, payload, round_id=self.rid)
-        f = Flight(self.rid, base, drafts, began, draft_ms, stage_ms, (time.perf_counter() - t1) * 1000, payload,
-                   predrafted)
+        f = Flight(self.rid, base, drafts, began, (t0 - began) * 1000, (t1 - t0) * 1000,
+                   (time.perf_counter() - t1) * 1000, payload, predrafted)
         flights.append(f)
         if opts.overlap and opts.depth == 1:
             # draft the next round while this one is on the wire, assuming it is fully accepted

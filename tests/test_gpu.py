@@ -100,25 +100,3 @@ def test_drafter_graph_equals_eager_across_rounds(tiny, device):
             context += drafts[:accepted] + [(drafts[accepted - 1] + 1) % 256 if accepted else 3]
             churn(device)
     assert made[1].rounds == made[0].rounds
-
-
-def test_drafts_chained_into_stage_zero_on_the_device(tiny):
-    """Node 0 hands the drafter's ids to stage 0 without a stop at the host (`propose_ids`): stage 0 must
-    see exactly [last token, d1..dk], round after round, as when the ids go through a list."""
-    drafter = ModelDrafter(load_stage(tiny, 0, 4, layer_devices=["cuda:0"] * 4, max_len=MAX_LEN, progress=False),
-                           vocab_limit=256, graphs=True)
-    chained, listed = (StageRunner(load_stage(tiny, 0, 2, layer_devices=["cuda:0"] * 2, max_len=MAX_LEN,
-                                              progress=False), graphs=g) for g in (True, False))
-    for r in (chained, listed):
-        r.stage.step(torch.tensor(PROMPT[:-1], device="cuda:0"), head=False)
-    context = list(PROMPT)
-    for i in range(6):
-        ids = drafter.propose_ids(context, 4)
-        h = chained(ids, len(context) - 1)
-        drafts = ids[1:].tolist()
-        assert ids[0].item() == context[-1]
-        torch.testing.assert_close(h, listed(torch.tensor([context[-1], *drafts], device="cuda:0"), len(context) - 1),
-                                   atol=1e-4, rtol=1e-4)
-        accepted = i % 5
-        context += drafts[:accepted] + [(drafts[accepted - 1] + 1) % 256 if accepted else 3]
-        churn("cuda:0")
