@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import platform
 import statistics
 import sys
@@ -121,7 +122,7 @@ def main(argv: list[str]) -> int:
                            "stage1": replay_alone(next(iter(parts[2]._captured.values()))[0], d1)}
     out = {"command": "python bench/host_gaps.py " + " ".join(argv),
            "hardware": {"gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-                        "cpus": __import__("os").cpu_count(), "platform": platform.platform()},
+                        "cpus": os.cpu_count(), "platform": platform.platform()},
            "versions": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda},
            "shapes": "Qwen2.5-7B stages [0,14) cuda:0, [14,28) " + str(d1) + ", Qwen2.5-0.5B drafter (Triton), K = 8",
            "ms": res}

@@ -173,20 +173,20 @@ def test_spinning_emulator_keeps_delay_and_data(start):
     assert 20 <= rtt <= 24, rtt
 
 
-@pytest.mark.parametrize("spin", [False, True])
-def test_hops_add_little_beyond_the_delay(start, echo, spin):
+@pytest.mark.parametrize("delay,spin", [(0, False), (10, False), (10, True)])
+def test_hops_add_little_beyond_the_delay(start, echo, delay, spin):
     """Each hop is released on time: a sleep that wakes late (epoll counts whole ms) once made the ring's 4
-    emulated hops cost 4-6 ms of every measured round. Here 2 hops at 10 ms cost 20 ms plus a fraction
+    emulated hops cost 4-6 ms of every measured round. Here 2 hops cost twice their delay plus a fraction
     of a millisecond more than the direct path, for a frame of the ring's size."""
-    emu = start("--delay-ms", "10", *(["--spin"] if spin else []))
+    emu = start("--delay-ms", str(delay), *(["--spin"] if spin else []))
     frame = os.urandom(64 * 1024)
     with socket.create_connection(echo.server_address) as direct, emu.connect() as proxied:
         direct.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         round_trip_ms(direct, frame, 3), round_trip_ms(proxied, frame, 3)  # warm up
         base = round_trip_ms(direct, frame, 20)
         via = round_trip_ms(proxied, frame, 20)
-    print(f"64 KiB round trip: direct {base:.3f} ms, via 2 x 10 ms {via:.3f} ms")
-    assert 0 <= via - 20 - base < 1.0, (base, via)
+    print(f"64 KiB round trip: direct {base:.3f} ms, via 2 x {delay} ms {via:.3f} ms")
+    assert 0 <= via - 2 * delay - base < 1.0, (base, via)
 
 
 def test_random_payloads_arrive_intact(start):
@@ -236,18 +236,6 @@ def test_bandwidth_cap(start):
         assert echo_through(s, payload) == payload
         elapsed = time.perf_counter() - t
     assert 0.95 <= elapsed <= 1.5, elapsed
-
-
-def test_overhead_at_zero_delay_is_small(start, echo):
-    emu = start()
-    payload = os.urandom(64 * 1024)
-    with socket.create_connection(echo.server_address) as direct, emu.connect() as proxied:
-        direct.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        round_trip_ms(direct, payload, 5), round_trip_ms(proxied, payload, 5)  # warm up
-        base = round_trip_ms(direct, payload, 50)
-        via = round_trip_ms(proxied, payload, 50)
-    print(f"64 KiB round trip: direct {base:.3f} ms, via emulator {via:.3f} ms, overhead {via - base:.3f} ms")
-    assert via - base < 3.0, (base, via)
 
 
 def test_sigusr1_cuts_open_connections_and_new_ones_work(start, echo):
