@@ -263,6 +263,9 @@ def test_in_process_api_counts_and_cuts(echo):
     port = emu.start()
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         assert echo_through(s, b"x" * 1000) == b"x" * 1000
+        deadline = time.monotonic() + 5  # the counter moves just after send() returns, on the emulator's thread
+        while emu.bytes_down < 1000 and time.monotonic() < deadline:
+            time.sleep(0.001)
         assert (emu.bytes_up, emu.bytes_down) == (1000, 1000)
         assert emu.cut_all() == 1 and emu.connections_cut == 1
         with pytest.raises(ConnectionResetError):
