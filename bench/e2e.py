@@ -191,12 +191,16 @@ def run_config(name: str, target: str, draft: str, devices: list[str], prompt_ar
         summary["emulated_rtt_ms"] = a.rtt_ms  # lets notebooks/results.ipynb split the network from the rest
         ping = summary.get("ping_ms", {})
         (metrics / "summary.json").write_text(json.dumps(summary, indent=1))
+    steady = steady_state(rows, a.rtt_ms, warmed)
+    if "p50" in steady and ping.get("1"):
+        # the round beyond a bare PING's trip over the same path (relay, emulators, reader threads)
+        steady["p50"]["beyond_path_ms"] = steady["round_ms_p50"] - ping["1"]
     return {"name": name, "draft": draft, "k": k, "depth": depth, "overlap": overlap, "nf4": nf4,
             "wall_s": time.time() - t0, "results": [{key: r[key] for key in ("tps", "tokens_per_round", "ttft_ms",
                                                                            "generated_tokens", "token_ids")}
                                                   for r in results],
             "tps": results[-1]["tps"] if warmed else statistics.fmean(r["tps"] for r in results),
-            "steady": steady_state(rows, a.rtt_ms, warmed),
+            "steady": steady,
             "ping_ms": ping, "memory": memory, "rounds": rows}
 
 
@@ -242,6 +246,12 @@ def steady_state(rows: list[dict], rtt_ms: float, warmed: bool = False) -> dict:
                         wake_ms=med(r["wake_ms"] for r in best),
                         transit_over_rtt_ms=med(r["round_ms"] - r["draft_ms"] - sum(r["stage_ms"]) - r["send_ms"]
                                                 - sum(r["host_ms"]) - r["wake_ms"] - rtt_ms for r in best))
+    # the device's own time (CUDA events): compute without the launches, copies and syncs around it
+    if all(r.get("stage_gpu_ms") and None not in r["stage_gpu_ms"] for r in best):
+        s["p50"]["stage_gpu_ms"] = [med(r["stage_gpu_ms"][i] for r in best) for i in range(len(s["stage_ms"]))]
+    drafted = [r["draft_gpu_ms"] for r in best if r.get("draft_gpu_ms") is not None and not r.get("predrafted")]
+    if drafted:
+        s["p50"]["draft_gpu_ms"] = med(drafted)
     # overlap: a round whose drafts were made while the round before it was on the wire only takes them
     for key, part in (("predrafted", [r for r in best if r.get("predrafted")]),
                       ("drafted", [r for r in best if not r.get("predrafted")])):
@@ -357,6 +367,20 @@ def main(argv: list[str]) -> int:
             print(f"[e2e] {name:>10}  other = send {m['send_ms']:.2f} + stage host {m['host_ms']:.2f} + wake "
                   f"{m['wake_ms']:.2f} + transit {m['transit_over_rtt_ms']:.2f} over the rtt (a bare PING to "
                   f"stage 1: {ping - a.rtt_ms:.2f} over)", file=sys.stderr)
+        keys = ("nf4_14b_stage0_ms", "nf4_14b_stage1_ms") if name == "nf4-14b" else ("stage0_ms", "stage1_ms")
+        if all(floors.get(f) for f in keys):  # floors exist for the random-weight shapes on CUDA
+            ratio = {"wall": [t / floors[f] for t, f in zip(m["stage_ms"], keys)]}
+            if "stage_gpu_ms" in m:
+                ratio["device"] = [t / floors[f] for t, f in zip(m["stage_gpu_ms"], keys)]
+            s["floor_ratio"] = ratio
+            print(f"[e2e] {name:>10}  stage time / bandwidth floor: {' '.join(f'{x:.2f}x' for x in ratio['wall'])} "
+                  f"(wall)" + (f", {' '.join(f'{x:.2f}x' for x in ratio['device'])} (device: "
+                               f"{'+'.join(f'{x:.2f}' for x in m['stage_gpu_ms'])} ms)" if "device" in ratio else "")
+                  + (f"; drafting on the device {m['draft_gpu_ms']:.2f} ms" if "draft_gpu_ms" in m else ""),
+                  file=sys.stderr)
+        if "beyond_path_ms" in m:
+            print(f"[e2e] {name:>10}  round beyond a bare PING over the same path: {m['beyond_path_ms']:.1f} ms",
+                  file=sys.stderr)
         if s["predrafted"]["rounds"]:
             h, d = s["predrafted"], s["drafted"]
             print(f"[e2e] {name:>10}  drafts made while the round before was on the wire: {h['rounds']} of "

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kit import kernels as fused_kernels
-from kit.graphs import capture, compile_mode, compiled, scratch_tail, span
+from kit.graphs import DeviceClock, capture, compile_mode, compiled, scratch_tail, span
 from kit.load import CheckpointError, load_config, load_stage, read_tensors, resolve
 from kit.model import Stage
 
@@ -66,6 +66,7 @@ class ModelDrafter:
         self._captured: dict[int, dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor,
                                                                 torch.Tensor]]] = {0: {}, 1: {}}
         self._pool = None
+        self.clock = DeviceClock(stage.device)  # the last draft's device time: clock.ms(), None off CUDA
 
     def propose(self, context: list[int], k: int) -> list[int]:
         if k <= 0 or not context:
@@ -74,13 +75,18 @@ class ModelDrafter:
         if len(context) + k > stage.max_len:
             return []
         n_vocab = stage.cfg.vocab_size  # ids beyond the drafter's embedding (target-only padding) read as 0
-        context = [t if t < n_vocab else 0 for t in context]
-        common = 0
+        if max(context) >= n_vocab:
+            context = [t if t < n_vocab else 0 for t in context]
         limit = min(len(self.fed), len(context) - 1)  # the last context token always goes through the loop
+        # rounds differ from what the cache holds only near the end: compare the long shared part at C speed
+        common = max(0, limit - 64)
+        if self.fed[:common] != context[:common]:
+            common = 0
         while common < limit and self.fed[common] == context[common]:
             common += 1
         stage.rewind(common)
         feed = context[common:]  # tokens the cache lacks; the last one starts the loop
+        self.clock.mark(0)
         if len(feed) > 2:  # a prompt or a replay: one eager pass; one catch-up token (after a fully
             stage.step(torch.tensor(feed[:-2], device=stage.device))  # accepted round) rides in the graph
             common, feed = len(context) - 2, feed[-2:]
@@ -114,6 +120,7 @@ class ModelDrafter:
         if not self.graphs:
             out = torch.empty(k, dtype=torch.long, device=dev)
             self._body(torch.tensor(feed, device=dev), torch.tensor([start], device=dev), out, k, start + c + k)
+            self.clock.mark(1)
             return out.tolist()
         captured = self._captured[c]
         # exactly k steps: a longer loop would serve too, but every extra step costs the round a drafter
@@ -135,6 +142,7 @@ class ModelDrafter:
         start_t.fill_(start)
         with torch.cuda.device(dev):  # the drafter may live on another GPU than the stage
             graph.replay()
+        self.clock.mark(1)
         return out[:k].tolist()
 
     def _capture(self, c: int, k: int, S: int) -> None:

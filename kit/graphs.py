@@ -79,6 +79,22 @@ def capture(fn: Callable, pool, device: torch.device) -> tuple[torch.cuda.CUDAGr
     return graph, out
 
 
+class DeviceClock:
+    """CUDA events around one piece of device work: the device's own time for it, without the host's
+    share (launches, copies waited on, the sync). Read `ms()` after the caller's sync; None off CUDA."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else None
+
+    def mark(self, i: int) -> None:
+        if self.events:
+            self.events[i].record(torch.cuda.current_stream(self.device))
+
+    def ms(self) -> float | None:
+        return self.events[0].elapsed_time(self.events[1]) if self.events else None
+
+
 def larger_captured(captured: dict, n: int, start: int, max_len: int) -> tuple[int, int] | None:
     """The smallest captured (size, span) that can run n tokens at `start` by padding: a round shortened
     near the end of an answer replays an existing graph instead of compiling a new one."""
@@ -114,6 +130,7 @@ class StageRunner:
         self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor,
                                                      torch.Tensor]] = {}
         self._pool = None
+        self.clock = DeviceClock(self.device)  # the last call's device time: clock.ms() after a sync
 
     def __call__(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """x: token ids [T] (first stage) or hidden [1, T, D], on the stage's device or the host (one copy
@@ -122,7 +139,10 @@ class StageRunner:
         T = x.shape[0] if stage.first else x.shape[1]
         stage.rewind(start)
         if not self.graphs:
-            return stage.step(x.to(self.device))
+            self.clock.mark(0)
+            out = stage.step(x.to(self.device))
+            self.clock.mark(1)
+            return out
         if start + T > stage.max_len:
             raise ValueError(f"KV cache full: {start} + {T} tokens > {stage.max_len} slots")
         key = larger_captured(self._captured, T, start, stage.max_len)
@@ -132,6 +152,7 @@ class StageRunner:
             self._capture(*key, pad(x.to(self.device), P, stage.first))
         P = key[0]
         graph, x_in, start_in, out, _ = self._captured[key]
+        self.clock.mark(0)
         if stage.first:
             x_in[:T].copy_(x, non_blocking=True)
         else:
@@ -139,6 +160,7 @@ class StageRunner:
         start_in.fill_(start)
         with torch.cuda.device(self.device):  # replays go to the current device's stream
             graph.replay()
+        self.clock.mark(1)
         stage.length = start + T  # the padding's cache slots lie past the valid length
         return out if P == T else out[:, :T]
 

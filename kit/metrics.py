@@ -3,7 +3,9 @@
 Files in a metrics folder (read by notebooks/results.ipynb):
   rounds.jsonl   one object per round: round, prompt (index), t (s since that prompt began), k, accepted,
                  committed, draft_ms, predrafted (drafts made while the round before was on the wire, so
-                 draft_ms is only taking them), stage_ms [per stage], network_ms (round - draft - stages), round_ms,
+                 draft_ms is only taking them), stage_ms [per stage], draft_gpu_ms and stage_gpu_ms [per stage]
+                 (the device's own time for them from CUDA events, without the host's share; null off CUDA),
+                 network_ms (round - draft - stages), round_ms,
                  send_ms (stage 0 packs and sends), host_ms [per later stage: frame read -> compute],
                  wake_ms (verdict read -> node 0 acts), bytes_out, bytes_in
   summary.json   the last prompt's result (as `kit run --json` prints it) plus its round statistics

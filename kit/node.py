@@ -69,6 +69,12 @@ def memory_report() -> dict:
     return {"peak_gpu_bytes": gpus, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
+def device_clock(drafter) -> float | None:
+    """The drafter's device time for its last drafts (CUDA events); None for lookup drafters and off CUDA."""
+    clock = getattr(drafter, "clock", None)
+    return clock.ms() if clock else None
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -145,7 +151,7 @@ class StageServer:
         if not self.last:
             out = self.runner(h, start)
             sync(dev)
-            self.forward(meta, out, t0)
+            self.forward(dict(meta, stage_gpu_ms=meta.get("stage_gpu_ms", []) + [self.runner.clock.ms()]), out, t0)
             return
         key = (meta["gen"], meta["rid"])
         if key in self.verdicts:  # a resend: answer again, compute nothing
@@ -163,7 +169,8 @@ class StageServer:
         ms = (time.perf_counter() - t0) * 1000
         ids = tokens[1:1 + accepted] + [nxt]
         vmeta = {"rid": meta["rid"], "gen": meta["gen"], "accepted": accepted, "start": start,
-                 "stage_ms": meta.get("stage_ms", []) + [ms], "host_ms": meta["host_ms"]}
+                 "stage_ms": meta.get("stage_ms", []) + [ms], "host_ms": meta["host_ms"],
+                 "stage_gpu_ms": meta.get("stage_gpu_ms", []) + [self.runner.clock.ms()]}
         self.verdicts[key] = (ids, vmeta)
         while len(self.verdicts) > 64:
             self.verdicts.popitem(last=False)
@@ -183,6 +190,7 @@ class Flight:
     drafts: list[int]
     began: float  # perf_counter when its drafting began
     draft_ms: float
+    draft_gpu_ms: float | None  # the drafter's device time (CUDA events), None without a model drafter on CUDA
     stage0_ms: float
     send_ms: float  # stage 0's output packed and handed to the socket
     payload: bytes
@@ -377,28 +385,32 @@ class Driver:
                 return
             want = adaptive.choose() if adaptive else opts.k
             t0 = time.perf_counter()
-            predrafted = False
+            predrafted, gpu_ms = False, None
             if not flights:
                 base = list(context)
                 predrafted = bool(self.pending_spec and self.pending_spec[0] == base)
                 if predrafted:
                     drafts = self.pending_spec[1]  # drafted while the previous round was on the wire
+                    gpu_ms = None if device_clock(self.drafter) is None else 0.0
                 else:
                     drafts = self.drafter.propose(base, self.clamp(want, base, room))
+                    gpu_ms = device_clock(self.drafter)
             else:
                 prev = flights[-1]
                 props = self.drafter.propose(prev.assumed, self.clamp(want, prev.assumed, room) + 1)
                 if not props:
                     return  # nothing to guess the next token with: wait for the verdict
                 base, drafts = prev.assumed + props[:1], props[1:]
+                gpu_ms = device_clock(self.drafter)
             self.pending_spec = None
             drafts = drafts[: self.clamp(want, base, room)]
-            self.send_round(flights, base, drafts, t0, opts, predrafted)
+            self.send_round(flights, base, drafts, t0, gpu_ms, opts, predrafted)
 
     def clamp(self, want: int, base: list[int], room: int) -> int:
         return max(0, min(want, room - 1, self.stage.max_len - len(base)))
 
-    def send_round(self, flights, base, drafts, began: float, opts: RunOptions, predrafted: bool) -> None:
+    def send_round(self, flights, base, drafts, began: float, draft_gpu_ms: float | None, opts: RunOptions,
+                   predrafted: bool) -> None:
         self.rid += 1
         tokens = [base[-1], *drafts]
         t0 = time.perf_counter()
@@ -406,10 +418,10 @@ class Driver:
         sync(self.stage.device)
         t1 = time.perf_counter()
         meta = {"kind": "round", "gen": self.gen, "rid": self.rid, "start": len(base) - 1, "tokens": tokens,
-                "stage_ms": [(t1 - t0) * 1000]}
+                "stage_ms": [(t1 - t0) * 1000], "stage_gpu_ms": [self.runner.clock.ms()]}
         payload = to_payload(h, meta)
         self.client.send(1, FrameType.TENSOR, payload, round_id=self.rid)
-        f = Flight(self.rid, base, drafts, began, (t0 - began) * 1000, (t1 - t0) * 1000,
+        f = Flight(self.rid, base, drafts, began, (t0 - began) * 1000, draft_gpu_ms, (t1 - t0) * 1000,
                    (time.perf_counter() - t1) * 1000, payload, predrafted)
         flights.append(f)
         if opts.overlap and opts.depth == 1:
@@ -467,6 +479,7 @@ class Driver:
         stage_ms = vmeta.get("stage_ms", [])
         row = {"round": f.rid, "prompt": self.prompt_index, "t": round(now - t0, 6), "k": len(f.drafts), "accepted": vmeta["accepted"],
                "committed": len(new), "draft_ms": f.draft_ms, "predrafted": f.predrafted, "stage_ms": stage_ms,
+               "draft_gpu_ms": f.draft_gpu_ms, "stage_gpu_ms": vmeta.get("stage_gpu_ms", []),
                "network_ms": max(0.0, round_ms - f.draft_ms - sum(stage_ms)), "round_ms": round_ms,
                "send_ms": f.send_ms, "host_ms": vmeta.get("host_ms", []), "wake_ms": vmeta.get("wake_ms", 0.0),
                "bytes_out": len(f.payload), "bytes_in": 8 + 4 * (vmeta["accepted"] + 1)}

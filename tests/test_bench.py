@@ -49,6 +49,10 @@ def test_e2e_bench_planted_acceptance_and_identical_output(tmp_path):
     # bare PING through the same emulated path costs at least the emulated round trip
     assert min(p50["send_ms"], p50["host_ms"], p50["wake_ms"], p50["transit_over_rtt_ms"]) > 0
     assert d["configs"]["spec"]["ping_ms"]["1"] >= 20
+    assert 0 < p50["beyond_path_ms"] < p50["non_network_ms"]  # the PING's trip is longer than the emulated rtt
+    # device times (CUDA events) are recorded per round; on CPU there are none, and no median is made of them
+    assert all(r["draft_gpu_ms"] is None and r["stage_gpu_ms"] == [None, None] for r in d["configs"]["spec"]["rounds"])
+    assert "stage_gpu_ms" not in p50 and "floor_ratio" not in d["configs"]["spec"]["steady"]
     # overlap: rounds whose drafts were made while the round before was on the wire only take them
     hidden, drafted = d["configs"]["spec"]["steady"]["predrafted"], d["configs"]["spec"]["steady"]["drafted"]
     assert hidden["rounds"] > 0 and drafted["rounds"] > 0

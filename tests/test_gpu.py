@@ -100,3 +100,24 @@ def test_drafter_graph_equals_eager_across_rounds(tiny, device):
             context += drafts[:accepted] + [(drafts[accepted - 1] + 1) % 256 if accepted else 3]
             churn(device)
     assert made[1].rounds == made[0].rounds
+
+
+def test_device_clocks_time_the_work_they_wrap(tiny):
+    """The CUDA-event clocks that split a round's compute from its host share: positive, and never more
+    than the host's wall time around the same call (which also waits for it)."""
+    import time
+
+    runner = StageRunner(stages(tiny, ["cuda:0"])[0], graphs=True)
+    drafter = ModelDrafter(load_stage(tiny, 0, 4, layer_devices=["cuda:0"] * 4, max_len=MAX_LEN, progress=False),
+                           vocab_limit=256, graphs=True)
+    x = torch.tensor(PROMPT)
+    for _ in range(2):  # the first call captures
+        t = time.perf_counter()
+        runner(x, 0)
+        torch.cuda.synchronize()
+        stage_wall = (time.perf_counter() - t) * 1000
+        t = time.perf_counter()
+        drafter.propose(PROMPT, 4)
+        draft_wall = (time.perf_counter() - t) * 1000
+    assert 0 < runner.clock.ms() <= stage_wall
+    assert 0 < drafter.clock.ms() <= draft_wall
