@@ -10,6 +10,8 @@ a few tokens:
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -105,8 +107,6 @@ def test_drafter_graph_equals_eager_across_rounds(tiny, device):
 def test_device_clocks_time_the_work_they_wrap(tiny):
     """The CUDA-event clocks that split a round's compute from its host share: positive, and never more
     than the host's wall time around the same call (which also waits for it)."""
-    import time
-
     runner = StageRunner(stages(tiny, ["cuda:0"])[0], graphs=True)
     drafter = ModelDrafter(load_stage(tiny, 0, 4, layer_devices=["cuda:0"] * 4, max_len=MAX_LEN, progress=False),
                            vocab_limit=256, graphs=True)
