@@ -81,11 +81,13 @@ def capture(fn: Callable, pool, device: torch.device) -> tuple[torch.cuda.CUDAGr
 
 class DeviceClock:
     """CUDA events around one piece of device work: the device's own time for it, without the host's
-    share (launches, copies waited on, the sync). Read `ms()` after the caller's sync; None off CUDA."""
+    share (launches, copies waited on, the sync). Read `ms()` after the caller's sync; None off CUDA and
+    for work spread over several devices (device None), which one device's stream cannot time."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device | None):
         self.device = device
-        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else None
+        on = device is not None and device.type == "cuda"
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if on else None
 
     def mark(self, i: int) -> None:
         if self.events:
@@ -130,7 +132,7 @@ class StageRunner:
         self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor,
                                                      torch.Tensor]] = {}
         self._pool = None
-        self.clock = DeviceClock(self.device)  # the last call's device time: clock.ms() after a sync
+        self.clock = DeviceClock(self.device if one_device else None)  # the last call's device time
 
     def __call__(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """x: token ids [T] (first stage) or hidden [1, T, D], on the stage's device or the host (one copy
