@@ -69,7 +69,7 @@ def memory_report() -> dict:
     return {"peak_gpu_bytes": gpus, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def device_clock(drafter) -> float | None:
+def draft_device_ms(drafter) -> float | None:
     """The drafter's device time for its last drafts (CUDA events); None for lookup drafters and off CUDA."""
     clock = getattr(drafter, "clock", None)
     return clock.ms() if clock else None
@@ -391,17 +391,17 @@ class Driver:
                 predrafted = bool(self.pending_spec and self.pending_spec[0] == base)
                 if predrafted:
                     drafts = self.pending_spec[1]  # drafted while the previous round was on the wire
-                    gpu_ms = None if device_clock(self.drafter) is None else 0.0
+                    gpu_ms = None if draft_device_ms(self.drafter) is None else 0.0
                 else:
                     drafts = self.drafter.propose(base, self.clamp(want, base, room))
-                    gpu_ms = device_clock(self.drafter)
+                    gpu_ms = draft_device_ms(self.drafter)
             else:
                 prev = flights[-1]
                 props = self.drafter.propose(prev.assumed, self.clamp(want, prev.assumed, room) + 1)
                 if not props:
                     return  # nothing to guess the next token with: wait for the verdict
                 base, drafts = prev.assumed + props[:1], props[1:]
-                gpu_ms = device_clock(self.drafter)
+                gpu_ms = draft_device_ms(self.drafter)
             self.pending_spec = None
             drafts = drafts[: self.clamp(want, base, room)]
             self.send_round(flights, base, drafts, t0, gpu_ms, opts, predrafted)
