@@ -69,6 +69,7 @@ class ModelDrafter:
         self.clock = DeviceClock(stage.device)  # the last draft's device time: clock.ms(), None off CUDA
 
     def propose(self, context: list[int], k: int) -> list[int]:
+        self.clock.reset()
         if k <= 0 or not context:
             return []
         stage = self.stage

@@ -88,13 +88,19 @@ class DeviceClock:
         self.device = device
         on = device is not None and device.type == "cuda"
         self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if on else None
+        self.timed = False  # both marks made since the last reset
+
+    def reset(self) -> None:
+        """A call that did no device work: ms() says None, not the time of an earlier call."""
+        self.timed = False
 
     def mark(self, i: int) -> None:
         if self.events:
             self.events[i].record(torch.cuda.current_stream(self.device))
+            self.timed = i == 1
 
     def ms(self) -> float | None:
-        return self.events[0].elapsed_time(self.events[1]) if self.events else None
+        return self.events[0].elapsed_time(self.events[1]) if self.events and self.timed else None
 
 
 def larger_captured(captured: dict, n: int, start: int, max_len: int) -> tuple[int, int] | None:

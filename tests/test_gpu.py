@@ -110,6 +110,7 @@ def test_device_clocks_time_the_work_they_wrap(tiny):
     runner = StageRunner(stages(tiny, ["cuda:0"])[0], graphs=True)
     drafter = ModelDrafter(load_stage(tiny, 0, 4, layer_devices=["cuda:0"] * 4, max_len=MAX_LEN, progress=False),
                            vocab_limit=256, graphs=True)
+    assert drafter.propose(PROMPT, 0) == [] and drafter.clock.ms() is None  # no drafts, no device time
     x = torch.tensor(PROMPT)
     for _ in range(2):  # the first call captures
         t = time.perf_counter()
@@ -121,3 +122,5 @@ def test_device_clocks_time_the_work_they_wrap(tiny):
         draft_wall = (time.perf_counter() - t) * 1000
     assert 0 < runner.clock.ms() <= stage_wall
     assert 0 < drafter.clock.ms() <= draft_wall
+    drafter.propose(PROMPT, 0)
+    assert drafter.clock.ms() is None  # an empty draft does not report the one before it
