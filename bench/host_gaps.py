@@ -9,7 +9,6 @@ included) and behind a busy one (launch hidden). Run with KIT_COMPILE unset: the
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -24,15 +23,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import e2e
 from kit.draft import make_drafter
 from kit.graphs import StageRunner
 from kit.load import load_stage
 from kit.node import from_payload, to_payload
 from kit.verify import Sampling, verify
-
-_spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "bench" / "e2e.py")
-e2e = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(e2e)
 
 
 def rounds(parts, prompt: list[int], n: int, idle_s: float) -> dict:
