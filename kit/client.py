@@ -45,8 +45,8 @@ class _Wire:
     def __init__(self, sock, tls: bool, stall: float):
         self.sock, self.tls, self.stall = sock, tls, stall
         self.lock = threading.Lock()
-        self.poll_in = select.poll()
-        self.poll_in.register(sock.fileno(), select.POLLIN)
+        self.fd = sock.fileno()
+        self._polls = threading.local()  # the reader thread and recv() both wait for input: one poll object each
         if tls:
             sock.setblocking(False)
         else:
@@ -74,12 +74,27 @@ class _Wire:
                     pass
             self._wait(select.POLLOUT, deadline)
 
-    def wait_readable(self, timeout: float) -> bool:
+    def wait_readable(self, timeout: float, nudge: int | None = None) -> bool | None:
+        """True when input is waiting, False after `timeout`, None when the `nudge` fd is readable first
+        (it is drained)."""
         if self.tls:
             with self.lock:
                 if self.sock.pending():
                     return True
-        return bool(self.poll_in.poll(timeout * 1000))
+        poll = getattr(self._polls, "poll", None)
+        if poll is None:
+            poll = self._polls.poll = select.poll()
+            poll.register(self.fd, select.POLLIN)
+            if nudge is not None:
+                poll.register(nudge, select.POLLIN)
+        ready = {fd for fd, _ in poll.poll(timeout * 1000)}
+        if self.fd in ready:
+            return True
+        if nudge in ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(nudge, 4096)
+            return None
+        return False
 
     def recv_exact(self, view: memoryview) -> None:
         deadline = time.monotonic() + self.stall
@@ -143,6 +158,16 @@ class RelayClient:
         self._gen = 0  # bumped on every new link
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()
+        # whoever holds it reads the socket: the reader thread, or recv() while its caller waits for a frame
+        self._read_lock = threading.Lock()
+        self._broken: _Wire | None = None  # a link recv() saw break: the reader thread redials it
+        # recv() reading: the reader thread stays off the socket (nudged out of its poll), so that a frame
+        # wakes one thread, not two that then queue for the GIL
+        self._park = threading.Condition()
+        self._caller_reading = False
+        self._nudge_r, self._nudge_w = os.pipe()
+        os.set_blocking(self._nudge_r, False)
+        os.set_blocking(self._nudge_w, False)
         self._inbox: queue.Queue = queue.Queue()
         self._pings: dict = {}  # ping payload -> [event, receive time]
         self._lost: ConnectionLost | None = None
@@ -252,15 +277,52 @@ class RelayClient:
     # receiving
     def recv(self, timeout: float | None = None) -> Frame | None:
         """Next TENSOR/TOKENS/CONTROL/ERROR (or a peer's BYE) frame; None on timeout. Links that break while
-        waiting are redialed underneath; ConnectionLost once that fails."""
+        waiting are redialed underneath; ConnectionLost once that fails.
+
+        While it waits, the calling thread reads the socket itself when the reader thread is not in the
+        middle of a frame: a frame then costs one thread wake-up, not the reader's and then this thread's."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                item = self._read_for_caller(self._heartbeat if left is None else min(left, self._heartbeat))
+                if item is None:
+                    continue
+            if item is _LOST:
+                self._inbox.put(_LOST)
+                raise self._lost
+            return item
+
+    def _read_for_caller(self, wait: float) -> Frame | object | None:
+        """Up to `wait` s: a frame read here (or queued by the reader thread), or None."""
+        wire = self._wire
+        if wire is None or wire is self._broken or self._lost is not None:
+            try:  # the reader thread is redialing, or gone: it queues what comes
+                return self._inbox.get(timeout=min(wait, 0.05))
+            except queue.Empty:
+                return None
+        with self._park:
+            self._caller_reading = True
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._nudge_w, b"x")
         try:
-            item = self._inbox.get(timeout=timeout)
-        except queue.Empty:
+            with self._read_lock:  # the reader thread holds it only while it reads a frame
+                if not self._inbox.empty() or not wire.wait_readable(wait):
+                    return None  # a frame the reader queued before this thread took over goes first
+                frame = self._read_frame(wire)
+                return frame if self._dispatch(wire, frame, queue_it=False) else None
+        except (OSError, ValueError, ProtocolError):
+            self._broken = wire
+            wire.shutdown()  # the reader thread sees it too and redials
             return None
-        if item is _LOST:
-            self._inbox.put(_LOST)
-            raise self._lost
-        return item
+        finally:
+            with self._park:
+                self._caller_reading = False
+                self._park.notify_all()
 
     def ping(self, timeout: float = 5.0, dst: int = RELAY) -> float:
         """Round trip in ms to the relay (or, with `dst`, to another stage of the session)."""
@@ -284,9 +346,22 @@ class RelayClient:
         while True:
             wire, gen = self._wire, self._gen
             try:
-                frame = self._read_one(wire)
-                if frame is not None:
-                    self._dispatch(wire, frame)
+                with self._park:
+                    off = self._park.wait_for(lambda: not self._caller_reading or self._closing, self._heartbeat)
+                ready = wire.wait_readable(self._heartbeat, nudge=self._nudge_r) if off else False
+                if ready is None:
+                    continue  # recv() reads now
+                if not ready:
+                    quiet = time.monotonic() - self._last_rx
+                    if quiet > wire.stall:
+                        raise ConnectionError(f"nothing from the relay for {quiet:.0f} s")
+                    self._send_nowait(wire, FrameType.PING, RELAY, b"")
+                    continue
+                with self._read_lock:
+                    if wire is self._broken:
+                        raise ConnectionError("the link broke under recv()")
+                    if wire.wait_readable(0):  # else recv() has read it
+                        self._dispatch(wire, self._read_frame(wire))
             except (OSError, ValueError, ProtocolError) as e:
                 wire.close()
                 if self._closing or self._lost is not None:
@@ -294,13 +369,7 @@ class RelayClient:
                 if not self._redial(gen, e):
                     return
 
-    def _read_one(self, wire: _Wire) -> Frame | None:
-        if not wire.wait_readable(self._heartbeat):
-            quiet = time.monotonic() - self._last_rx
-            if quiet > wire.stall:
-                raise ConnectionError(f"nothing from the relay for {quiet:.0f} s")
-            self._send_nowait(wire, FrameType.PING, RELAY, b"")
-            return None
+    def _read_frame(self, wire: _Wire) -> Frame:
         head = bytearray(HEADER_LEN)
         wire.recv_exact(memoryview(head))
         fields = parse_header(head)
@@ -311,7 +380,9 @@ class RelayClient:
         ftype, flags, src, dst, session, round_id, _ = fields
         return Frame(ftype, src, dst, round_id, flags, payload, session, received=time.perf_counter())
 
-    def _dispatch(self, wire: _Wire, frame: Frame) -> None:
+    def _dispatch(self, wire: _Wire, frame: Frame, queue_it: bool = True) -> bool:
+        """Answer or consume link frames (PING, PONG, the relay's BYE and link errors); True for a frame meant
+        for recv()'s caller, which goes to the inbox if `queue_it`."""
         t, from_relay = frame.type, frame.src == RELAY
         if t == FrameType.PING:
             self._send_nowait(wire, FrameType.PONG, frame.src, bytes(frame.payload), frame.round_id)
@@ -323,9 +394,12 @@ class RelayClient:
         elif t == FrameType.BYE and from_relay:
             raise ConnectionError("the relay said goodbye (restarting?)")
         elif t == FrameType.ERROR and from_relay and self._relay_error(frame):
-            return
+            return False
         elif t in (FrameType.TENSOR, FrameType.TOKENS, FrameType.CONTROL, FrameType.ERROR, FrameType.BYE):
-            self._inbox.put(frame)
+            if queue_it:
+                self._inbox.put(frame)
+            return True
+        return False
 
     def _relay_error(self, frame: Frame) -> bool:
         """Handle the relay's errors about the link itself; True if consumed."""
@@ -371,4 +445,10 @@ class RelayClient:
             wire.close()
         self._fail(ConnectionLost("the client was closed"))
         if self._reader is not None and self._reader is not threading.current_thread():
+            with self._park:
+                self._park.notify_all()
             self._reader.join(timeout=5)
+        if self._nudge_w >= 0 and not (self._reader and self._reader.is_alive()):
+            os.close(self._nudge_r)
+            os.close(self._nudge_w)
+            self._nudge_r = self._nudge_w = -1
