@@ -2,8 +2,6 @@
 for every layer of a Qwen2.5-0.5B shape (random fp16 weights on the GPU), timed per candidate tiling as a
 CUDA graph of its 24 launches (weights read cold, as in a real step), then the whole 8-token draft with the
 defaults without programmatic dependent launch, with the defaults and with the best tiles. Writes JSON; the best tiles go into kit.kernels.TILES by hand.
-With --int8 the MLP and head weights are int8 (kit.kernels.quantize_int8, what the ring's drafter reads), and
-the 8-token draft with fp16 weights and the default tiles is timed first, in the same run.
 """
 from __future__ import annotations
 
@@ -59,11 +57,9 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m kit bench tiles", description=__doc__.split("\n\n")[0])
     p.add_argument("--context", type=int, default=500, help="tokens in the cache; default 500")
     p.add_argument("--reps", type=int, default=30, help="graph replays per candidate; default 30")
-    p.add_argument("--int8", action="store_true", help="int8 MLP and head weights (the ring's drafter)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="JSON result; default bench/results/kernel_tiles_h200.json (kernel_tiles_h200_int8.json)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "kernel_tiles_h200.json",
+                   help="JSON result; default bench/results/kernel_tiles_h200.json")
     args = p.parse_args(argv)
-    args.out = args.out or ROOT / "bench" / "results" / f"kernel_tiles_h200{'_int8' if args.int8 else ''}.json"
     if not torch.cuda.is_available():
         print("error: this benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -76,14 +72,6 @@ def main(argv: list[str]) -> int:
     S = span(args.context + 8, 4096)
     x = stage.embed_tokens.weight[7].clone()
     pos = torch.tensor([args.context], device="cuda")
-    g = torch.Generator().manual_seed(0)
-    context = torch.randint(0, cfg.vocab_size, (args.context,), generator=g).tolist()
-    if args.int8:
-        d = ModelDrafter(stage, cfg.vocab_size, graphs=True, kernels=True)
-        tokens = d.propose(context, 8)
-        run.data["draft8_fp16_default"] = {"tokens": tokens, **wall(lambda: d.propose(context, 8), 50)}
-        log(f"8-token draft, fp16 weights, default tiles: {run.data['draft8_fp16_default']['median_ms']:.2f} ms")
-        kernels.quantize_int8(stage)
     best, results = dict(kernels.TILES), {}
     for part, grid in CANDIDATES.items():
         rows = []
@@ -102,14 +90,15 @@ def main(argv: list[str]) -> int:
         results[part] = {"best": {k: top[k] for k in grid}, "best_us": top["us_per_launch"], "rows": rows}
         log(f"{part}: best {results[part]['best']} {top['us_per_launch']} us "
             f"(default {next((r['us_per_launch'] for r in ok if all(r[k] == kernels.TILES[k] for k in grid)), None)})")
-    run.data.update(model="Qwen2.5-0.5B shape, random fp16" + (", MLP and head int8" if args.int8 else ""),
-                    context=args.context, attention_span=S, default_tiles=dict(kernels.TILES), best_tiles=best,
-                    parts=results)
+    run.data.update(model="Qwen2.5-0.5B shape, random fp16", context=args.context, attention_span=S,
+                    default_tiles=dict(kernels.TILES), best_tiles=best, parts=results)
+    g = torch.Generator().manual_seed(0)
+    context = torch.randint(0, cfg.vocab_size, (args.context,), generator=g).tolist()
     # the same draft without programmatic dependent launch: what letting kernels overlap is worth
     for name, tiles in (("no_pdl", {**kernels.TILES, "pdl": False}), ("default", dict(kernels.TILES)), ("best", best)):
         kernels.TILES.clear()
         kernels.TILES.update(tiles)
-        d = ModelDrafter(stage, cfg.vocab_size, graphs=True, kernels=True, int8=args.int8)
+        d = ModelDrafter(stage, cfg.vocab_size, graphs=True, kernels=True)
         tokens = d.propose(context, 8)
         run.data[f"draft8_{name}"] = {"tokens": tokens, **wall(lambda: d.propose(context, 8), 50)}
         log(f"8-token draft, {name} tiles: {run.data[f'draft8_{name}']['median_ms']:.2f} ms {tokens}")

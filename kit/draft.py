@@ -48,22 +48,17 @@ class ModelDrafter:
     context has no hole) and runs the k-step loop. On CUDA the loop is one graph per k (and attention
     span, see kit.graphs): static token and position buffers, argmax on the device, one host sync for
     the k tokens. Each step is our Triton kernels (kit.kernels: five per layer) where they run, else
-    PyTorch ops, torch.compile'd with `compile`. With `int8`, where the kernels run, the MLP and head
-    weights are rounded to int8 with a scale per row and read as int8 (kit.kernels.quantize_int8): only for
-    weights the drafter owns, never the target's layers a `self:L` drafter shares.
+    PyTorch ops, torch.compile'd with `compile`.
     """
 
     def __init__(self, stage: Stage, vocab_limit: int, graphs: bool | None = None,
-                 compile: bool | str | None = None, kernels: bool | None = None, int8: bool = False):
+                 compile: bool | str | None = None, kernels: bool | None = None):
         if not (stage.first and stage.last):
             raise ValueError("a drafter needs the embedding, its layers, the norm and the head")
         self.stage, self.vocab_limit = stage, vocab_limit
         self.graphs = stage.device.type == "cuda" if graphs is None else graphs
         # one step as our Triton kernels (kit.kernels) where they run: by default inside CUDA graphs
         self.kernels = (self.graphs if kernels is None else kernels) and fused_kernels.available(stage)
-        self.int8 = int8 and self.kernels
-        if self.int8:
-            fused_kernels.quantize_int8(stage)
         self.compile = compile_mode(stage, compile) if self.graphs and not self.kernels else None
         self._step_fn = compiled(self._step, self.compile) if self.compile else self._step
         self.fed: list[int] = []
@@ -227,10 +222,10 @@ def make_drafter(spec: str, target: str, stage0: Stage | None = None, *, dtype: 
         read_tensors(target, stage, ["norm.weight", "lm_head.weight"], dtype=dtype, device=device)
         stage.setup_cache(max_len)
         stage.eval().requires_grad_(False)
-        return ModelDrafter(stage, vocab_limit=min(stage.cfg.vocab_size, target_cfg.vocab_size))
-    check_same_tokenizer(target, spec)
-    cfg = load_config(spec)
-    stage = load_stage(spec, 0, cfg.n_layers, dtype=dtype, layer_devices=[device] * cfg.n_layers, max_len=max_len,
-                       progress=progress)
-    return ModelDrafter(stage, vocab_limit=min(stage.cfg.vocab_size, target_cfg.vocab_size), int8=True)
+    else:
+        check_same_tokenizer(target, spec)
+        cfg = load_config(spec)
+        stage = load_stage(spec, 0, cfg.n_layers, dtype=dtype, layer_devices=[device] * cfg.n_layers,
+                           max_len=max_len, progress=progress)
+    return ModelDrafter(stage, vocab_limit=min(stage.cfg.vocab_size, target_cfg.vocab_size))
 

@@ -14,8 +14,6 @@ bench/NOTES.md, v5 and v6):
 
 and the head is RMSNorm + logits + an argmax per block of rows. Every program of a projection reads the
 whole input vector (a few KB, from L2) and normalises it itself, so norms need no kernel of their own.
-After `quantize_int8` the MLP and head weights are read as int8 with a scale per row (ModelDrafter does
-this for a drafter with weights of its own): half the bytes of the kernels that read the most.
 Rounding follows the PyTorch path (fp16 after each projection, norm and activation; fp32 inside), so
 drafts match the eager drafter's up to near-ties. On compute capability 9.0+ every kernel is launched with
 programmatic dependent launch and loads its weights while the previous kernel finishes (`_after_previous`).
@@ -89,10 +87,10 @@ if triton is not None:
         return (w * (x.to(tl.float32) * rstd).to(x.dtype)).to(tl.float32)
 
     @triton.jit
-    def _two_projections(x_ptr, nw_ptr, w_ptr, s_ptr, rows_a, rows_b, row_ok, eps, D: tl.constexpr,
-                         BLOCK_K: tl.constexpr, Q: tl.constexpr, PDL: tl.constexpr):
+    def _two_projections(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, row_ok, eps, D: tl.constexpr,
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """Rows rows_a and rows_b of w [*, D] times RMSNorm(x), in fp32; the weights' first chunk is
-        loaded before waiting on the previous kernel. With Q, w is int8 and s [*] its rows' scales."""
+        loaded before waiting on the previous kernel."""
         k = tl.arange(0, BLOCK_K)
         m = row_ok[:, None] & (k < D)[None, :]
         w_a = tl.load(w_ptr + rows_a[:, None] * D + k[None, :], mask=m, other=0.0)
@@ -108,14 +106,7 @@ if triton is not None:
             m = row_ok[:, None] & (k < D)[None, :]
             acc_a += tl.load(w_ptr + rows_a[:, None] * D + k[None, :], mask=m, other=0.0).to(tl.float32) * h
             acc_b += tl.load(w_ptr + rows_b[:, None] * D + k[None, :], mask=m, other=0.0).to(tl.float32) * h
-        return _scaled(tl.sum(acc_a, 1), s_ptr, rows_a, row_ok, Q), _scaled(tl.sum(acc_b, 1), s_ptr, rows_b, row_ok, Q)
-
-    @triton.jit
-    def _scaled(y, s_ptr, rows, row_ok, Q: tl.constexpr):
-        """y, the rows' dot products with int8 weights when Q, times the rows' scales."""
-        if Q:
-            y = y * tl.load(s_ptr + rows, mask=row_ok, other=0.0)
-        return y
+        return tl.sum(acc_a, 1), tl.sum(acc_b, 1)
 
     @triton.jit
     def _qkv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr,
@@ -129,8 +120,7 @@ if triton is not None:
         head = tl.program_id(0) // per_head
         i = (tl.program_id(0) % per_head) * P + tl.arange(0, P)
         rows_lo, rows_hi = head * E + i, head * E + HALF + i
-        lo, hi = _two_projections(x_ptr, nw_ptr, w_ptr, w_ptr, rows_lo, rows_hi, i < HALF, eps, D, BLOCK_K, False,
-                                  PDL)
+        lo, hi = _two_projections(x_ptr, nw_ptr, w_ptr, rows_lo, rows_hi, i < HALF, eps, D, BLOCK_K, PDL)
         if HAS_BIAS:
             lo += tl.load(b_ptr + rows_lo).to(tl.float32)
             hi += tl.load(b_ptr + rows_hi).to(tl.float32)
@@ -232,12 +222,12 @@ if triton is not None:
         tl.store(x_ptr + n, x + tl.sum(acc, 1).to(x.dtype), mask=n < D)
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, nw_ptr, w_ptr, s_ptr, out_ptr, eps, D: tl.constexpr, F: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, Q: tl.constexpr, PDL: tl.constexpr):
+    def _gate_up_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, eps, D: tl.constexpr, F: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # program: rows n of silu(gate(norm(x))) * up(norm(x)); gate rows are 0..F-1 of w, up rows F..2F-1
         _let_next_start(PDL)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        gate, up = _two_projections(x_ptr, nw_ptr, w_ptr, s_ptr, n, F + n, n < F, eps, D, BLOCK_K, Q, PDL)
+        gate, up = _two_projections(x_ptr, nw_ptr, w_ptr, n, F + n, n < F, eps, D, BLOCK_K, PDL)
         dt = x_ptr.dtype.element_ty
         gate = gate.to(dt).to(tl.float32)
         up = up.to(dt)
@@ -245,8 +235,8 @@ if triton is not None:
         tl.store(out_ptr + n, act * up, mask=n < F)
 
     @triton.jit
-    def _down_kernel(h_ptr, w_ptr, s_ptr, x_ptr, D: tl.constexpr, F: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, Q: tl.constexpr, PDL: tl.constexpr):
+    def _down_kernel(h_ptr, w_ptr, x_ptr, D: tl.constexpr, F: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # program: rows n of x += down(h)
         _let_next_start(PDL)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -261,11 +251,11 @@ if triton is not None:
             w = tl.load(w_ptr + n[:, None] * F + k[None, :], mask=(n < D)[:, None] & (k < F)[None, :], other=0.0)
             acc += w.to(tl.float32) * h[None, :]
         x = tl.load(x_ptr + n, mask=n < D)
-        tl.store(x_ptr + n, x + _scaled(tl.sum(acc, 1), s_ptr, n, n < D, Q).to(x.dtype), mask=n < D)
+        tl.store(x_ptr + n, x + tl.sum(acc, 1).to(x.dtype), mask=n < D)
 
     @triton.jit
-    def _head_kernel(x_ptr, nw_ptr, w_ptr, s_ptr, best_ptr, at_ptr, vocab, eps, D: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, Q: tl.constexpr, PDL: tl.constexpr):
+    def _head_kernel(x_ptr, nw_ptr, w_ptr, best_ptr, at_ptr, vocab, eps, D: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # program: logits of rows n (rounded to the weights' dtype as F.linear does), their max and its index
         _let_next_start(PDL)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -279,8 +269,7 @@ if triton is not None:
             h = _normed(x_ptr, nw_ptr, k, D, rstd)[None, :]
             w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=(n < vocab)[:, None] & (k < D)[None, :], other=0.0)
             acc += w.to(tl.float32) * h
-        logits = _scaled(tl.sum(acc, 1), s_ptr, n, n < vocab, Q)
-        logits = tl.where(n < vocab, logits.to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
+        logits = tl.where(n < vocab, tl.sum(acc, 1).to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
         best = tl.argmax(logits, 0, tie_break_left=True)
         tl.store(best_ptr + tl.program_id(0), tl.max(logits, 0))
         tl.store(at_ptr + tl.program_id(0), tl.program_id(0) * BLOCK_N + best)
@@ -297,37 +286,6 @@ def _pdl(x: torch.Tensor, tiles: dict) -> dict:
     """Launch options for programmatic dependent launch where the GPU has it (compute capability 9.0+)."""
     on = (tiles.get("pdl", False) and x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) >= (9, 0))
     return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
-
-
-def quantize_int8(stage: Stage) -> None:
-    """Give the kernels int8 copies (one fp32 scale per output row) of the MLP and head weights, the bytes
-    that bound a step (27 of a Qwen2.5-0.5B layer's 30 MB, and the 272 MB head), and round the fp16
-    weights to exactly those values, so PyTorch ops on this stage (the eager catch-up pass, a fallback)
-    compute with the same weights. Drafts only propose: the verifier keeps the output the target's."""
-    for layer in stage.layers:
-        mlp = layer.mlp
-        if getattr(mlp, "int8", None) is None:
-            mlp.int8 = {"gate_up": _int8_rows(mlp.gate_up[0]), "down": _int8_rows(mlp.down_proj.weight)}
-    if getattr(stage, "int8", None) is None:
-        stage.int8 = {"head": _int8_rows(stage.lm_head.weight)}
-
-
-def _int8_rows(w: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
-    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
-    scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
-    for r in range(0, w.shape[0], chunk):  # a 150k-row head in fp32 at once would be 0.5 GB of scratch
-        rows = w[r:r + chunk].float()
-        s = (rows.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-        q[r:r + chunk] = torch.round(rows / s[:, None]).clamp_(-127, 127).to(torch.int8)
-        scale[r:r + chunk] = s
-        w[r:r + chunk] = (q[r:r + chunk].float() * s[:, None]).to(w.dtype)
-    return q, scale
-
-
-def _weights(owner, name: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The int8 copy and scales of a weight after quantize_int8, else the weight and None."""
-    int8 = getattr(owner, "int8", None)
-    return int8[name] if int8 else (w, None)
 
 
 class Scratch:
@@ -378,21 +336,17 @@ def gate_up(stage: Stage, i: int, x: torch.Tensor, s: Scratch, tiles: dict) -> N
     cfg, layer = stage.cfg, stage.layers[i]
     D, F = cfg.hidden_size, cfg.intermediate_size
     norm = layer.post_attention_layernorm
-    w, scale = _weights(layer.mlp, "gate_up", layer.mlp.gate_up[0])
     _gate_up_kernel[(triton.cdiv(F, tiles["gate_up_rows"]),)](
-        x, norm.weight, w, w if scale is None else scale, s.act, norm.eps, D=D, F=F, BLOCK_N=tiles["gate_up_rows"],
-        BLOCK_K=min(1024, _pow2(D)), Q=scale is not None, num_warps=tiles["gate_up_warps"], **_pdl(x, tiles))
+        x, norm.weight, layer.mlp.gate_up[0], s.act, norm.eps, D=D, F=F, BLOCK_N=tiles["gate_up_rows"],
+        BLOCK_K=min(1024, _pow2(D)), num_warps=tiles["gate_up_warps"], **_pdl(x, tiles))
 
 
 def down(stage: Stage, i: int, x: torch.Tensor, s: Scratch, tiles: dict) -> None:
     """Layer i's down projection of s.act, added to x."""
     D, F = stage.cfg.hidden_size, stage.cfg.intermediate_size
-    mlp = stage.layers[i].mlp
-    w, scale = _weights(mlp, "down", mlp.down_proj.weight)
     _down_kernel[(triton.cdiv(D, tiles["down_rows"]),)](
-        s.act, w, w if scale is None else scale, x, D=D, F=F, BLOCK_N=tiles["down_rows"],
-        BLOCK_K=min(tiles["down_cols"], _pow2(F)), Q=scale is not None, num_warps=tiles["down_warps"],
-        **_pdl(x, tiles))
+        s.act, stage.layers[i].mlp.down_proj.weight, x, D=D, F=F, BLOCK_N=tiles["down_rows"],
+        BLOCK_K=min(tiles["down_cols"], _pow2(F)), num_warps=tiles["down_warps"], **_pdl(x, tiles))
 
 
 def head(stage: Stage, x: torch.Tensor, vocab: int, tiles: dict) -> torch.Tensor:
@@ -401,10 +355,9 @@ def head(stage: Stage, x: torch.Tensor, vocab: int, tiles: dict) -> torch.Tensor
     best = torch.empty(n_blocks, dtype=torch.float32, device=x.device)
     at = torch.empty(n_blocks, dtype=torch.int64, device=x.device)
     D = stage.cfg.hidden_size
-    w, scale = _weights(stage, "head", stage.lm_head.weight)
-    _head_kernel[(n_blocks,)](x, stage.norm.weight, w, w if scale is None else scale, best, at, vocab, stage.norm.eps,
-                              D=D, BLOCK_N=tiles["head_rows"], BLOCK_K=min(1024, _pow2(D)), Q=scale is not None,
-                              num_warps=tiles["head_warps"], **_pdl(x, tiles))
+    _head_kernel[(n_blocks,)](x, stage.norm.weight, stage.lm_head.weight, best, at, vocab, stage.norm.eps, D=D,
+                              BLOCK_N=tiles["head_rows"], BLOCK_K=min(1024, _pow2(D)), num_warps=tiles["head_warps"],
+                              **_pdl(x, tiles))
     return at[best.argmax(0, keepdim=True)]
 
 

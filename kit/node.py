@@ -33,8 +33,8 @@ from kit.graphs import StageRunner
 from kit.load import CheckpointError, load_config, load_stage, parse_dtype, resolve
 from kit.metrics import MetricsWriter, Progress
 from kit.model import ConfigError, Stage
-from kit.plan import (PlanError, check_fit, estimate_kv, estimate_weights, even_split, format_plan, int8_copy_bytes,
-                      layer_devices, place_node)
+from kit.plan import (PlanError, check_fit, estimate_kv, estimate_weights, even_split, format_plan, layer_devices,
+                      place_node)
 from kit.verify import Sampling, verify
 from relay.protocol import (Frame, FrameType, decode_control, decode_error, decode_tensor, decode_tokens,
                             encode_control, encode_tensor, encode_tokens)
@@ -543,8 +543,7 @@ def place_layers(args, cfg, start: int, end: int, draft_cfg) -> tuple[list[str],
     dtype_bytes = torch.finfo(parse_dtype(args.dtype)).bits / 8
     draft = None
     if draft_cfg is not None:
-        # a model drafter's weights, with the int8 copies its kernels read on a GPU
-        draft = (estimate_weights(draft_cfg, 0, draft_cfg.n_layers, True, True, dtype_bytes) + int8_copy_bytes(draft_cfg),
+        draft = (estimate_weights(draft_cfg, 0, draft_cfg.n_layers, True, True, dtype_bytes),
                  estimate_kv(draft_cfg, draft_cfg.n_layers, args.max_len, dtype_bytes))
     first, last = start == 0, end == cfg.n_layers
     if len(devices) > 1 and (draft is None or sum(draft) < min(free[1:])):

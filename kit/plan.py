@@ -120,13 +120,6 @@ def estimate_weights(cfg: ModelConfig, start: int, end: int, first: bool, last: 
     return int(total)
 
 
-def int8_copy_bytes(cfg: ModelConfig) -> int:
-    """A GPU drafter's int8 copies of its MLP and head weights with their row scales (kit.kernels.
-    quantize_int8), held beside its 16-bit weights."""
-    D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    return cfg.n_layers * (3 * D * F + 4 * (2 * F + D)) + V * (D + 4)
-
-
 def estimate_kv(cfg: ModelConfig, n_layers: int, kv_len: int, dtype_bytes: float = 2) -> int:
     """K and V for `kv_len` tokens: 2 x layers x kv_heads x head_dim x kv_len x bytes."""
     return int(2 * n_layers * cfg.n_kv_heads * cfg.head_dim * kv_len * dtype_bytes)
@@ -205,7 +198,7 @@ def plan_stages(cfg: ModelConfig, n_stages: int, *, dtype_bytes: float = 2, load
     Without `budgets` the layers are split evenly and every GPU holds `gpu_bytes` (default a T4).
     `budgets` (bytes per node, shared equally by its GPUs; they replace `gpu_bytes`) split the layers so that the fullest node
     is as empty as possible, after the first node pays for the embedding and the drafter and the last
-    for the norm and head. The drafter (16-bit, never NF4, plus its int8 copies) lives on node 0. Raises PlanError when a
+    for the norm and head. The drafter (16-bit, never NF4) lives on node 0. Raises PlanError when a
     GPU would overflow, saying by how much and what to change.
     """
     n = cfg.n_layers
@@ -220,7 +213,7 @@ def plan_stages(cfg: ModelConfig, n_stages: int, *, dtype_bytes: float = 2, load
     draft = None
     if draft_cfg is not None:
         dl = draft_kv_len or kv_len
-        draft = (estimate_weights(draft_cfg, 0, draft_cfg.n_layers, True, True, dtype_bytes) + int8_copy_bytes(draft_cfg),
+        draft = (estimate_weights(draft_cfg, 0, draft_cfg.n_layers, True, True, dtype_bytes),
                  estimate_kv(draft_cfg, draft_cfg.n_layers, dl, dtype_bytes)
                  + rope_bytes(draft_cfg, dl) + attention_bytes(draft_cfg, dl))
     if budgets is None:

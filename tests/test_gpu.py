@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from conftest import make_tiny
-from kit import kernels
 from kit.draft import ModelDrafter
 from kit.graphs import StageRunner
 from kit.load import load_stage
@@ -84,21 +83,16 @@ def test_a_stage_on_the_second_gpu_is_captured_there(tiny):
     assert tokens == eager_tokens
 
 
-@pytest.mark.parametrize("device,int8", [("cuda:0", False), ("cuda:1", False), ("cuda:0", True)])
-def test_drafter_graph_equals_eager_across_rounds(tiny, device, int8):
+@pytest.mark.parametrize("device", ["cuda:0", "cuda:1"])
+def test_drafter_graph_equals_eager_across_rounds(tiny, device):
     """Draft rounds at growing positions, each after a partial or full acceptance (the full one feeds
-    the last draft inside the graph), equal an eager drafter's; with int8, the eager one computes with
-    the same rounded weights that the graph's kernels read as int8."""
+    the last draft inside the graph), equal an eager drafter's."""
     if int(device[-1]) >= torch.cuda.device_count():
         pytest.skip("needs two GPUs")
     if device != "cuda:0":  # a stage graph on cuda:0 captured first, as on a 2-GPU notebook
         StageRunner(stages(tiny, ["cuda:0"])[0], graphs=True)(torch.tensor(PROMPT, device="cuda:0"), 0)
-    loaded = [load_stage(tiny, 0, 4, layer_devices=[device] * 4, max_len=MAX_LEN, progress=False) for _ in range(2)]
-    if int8:
-        loaded[0].fuse()
-        kernels.quantize_int8(loaded[0])
-    made = [ModelDrafter(stage, vocab_limit=256, graphs=g, int8=int8) for stage, g in zip(loaded, (False, True))]
-    assert made[1].int8 == int8
+    made = [ModelDrafter(load_stage(tiny, 0, 4, layer_devices=[device] * 4, max_len=MAX_LEN, progress=False),
+                         vocab_limit=256, graphs=g) for g in (False, True)]
     for d in made:
         context, d.rounds = list(PROMPT), []
         for i in range(8):
