@@ -1,7 +1,8 @@
 """Node side of the relay link: pinned TLS, the token handshake, frames in and out, reconnects, pings.
 
 Blocking sockets and one reader thread, because the node runtime is threaded. The reader answers PINGs,
-keeps the link alive with heartbeats and redials when the link breaks; `send` waits for that redial and
+keeps the link alive with heartbeats and redials when the link breaks; while a caller waits in `recv`, that
+caller reads the socket itself (one thread woken per frame instead of two); `send` waits for that redial and
 sends again, so a relay restart costs the caller a pause, not an error. `reconnects` tells the runtime to
 resend its in-flight round (frames inside the broken link may be lost; rounds are idempotent).
 """
