@@ -6,7 +6,6 @@ stage (one GPU each when there are two, both on one GPU otherwise, or CPU), for 
   plain       no drafter, one token per round (the baseline)
   spec        model drafter, K drafts per round, drafting overlapped with the network, 1 round in flight
   no-overlap  the same without overlap
-  no-warm     spec without keeping the GPUs clocked up before a frame is due (kit.warm, --warm-ms 0)
   depth2/3    the same with 2 / 3 rounds in flight
   nf4-14b     a Qwen2.5-14B shape in NF4 (bitsandbytes) with the same drafter (CUDA only)
 
@@ -156,7 +155,7 @@ def read_bytes(cfg: ModelConfig, start: int, end: int, last: bool, nf4: bool = F
 
 def run_config(name: str, target: str, draft: str, devices: list[str], prompt_args: list[str], a) -> dict:
     """One configuration: fresh relay, emulators and stage processes; returns its metrics."""
-    k, depth, overlap, nf4, warm_ms = a.k, 1, True, False, a.warm_ms
+    k, depth, overlap, nf4 = a.k, 1, True, False
     if name == "plain":
         draft, k = "none", 1
     elif name == "no-overlap":
@@ -165,11 +164,9 @@ def run_config(name: str, target: str, draft: str, devices: list[str], prompt_ar
         depth = int(name[5:])
     elif name == "nf4-14b":
         nf4 = True
-    elif name == "no-warm":
-        warm_ms = 0.0
     with tempfile.TemporaryDirectory(prefix=f"e2e-{name}-") as tmp:
         metrics = Path(a.metrics_out) / name if a.metrics_out else Path(tmp) / "m"
-        common = ["--target", target, "--max-len", str(a.max_len), "--stage-timeout", "120", "--warm-ms", str(warm_ms)]
+        common = ["--target", target, "--max-len", str(a.max_len), "--stage-timeout", "120"]
         if devices[0] != "cpu":
             common += ["--dtype", "float16"]
         if nf4:
@@ -198,7 +195,7 @@ def run_config(name: str, target: str, draft: str, devices: list[str], prompt_ar
     if "p50" in steady and ping.get("1"):
         # the round beyond a bare PING's trip over the same path (relay, emulators, reader threads)
         steady["p50"]["beyond_path_ms"] = steady["round_ms_p50"] - ping["1"]
-    return {"name": name, "draft": draft, "k": k, "depth": depth, "overlap": overlap, "nf4": nf4, "warm_ms": warm_ms,
+    return {"name": name, "draft": draft, "k": k, "depth": depth, "overlap": overlap, "nf4": nf4,
             "wall_s": time.time() - t0, "results": [{key: r[key] for key in ("tps", "tokens_per_round", "ttft_ms",
                                                                            "generated_tokens", "token_ids")}
                                                   for r in results],
@@ -255,10 +252,6 @@ def steady_state(rows: list[dict], rtt_ms: float, warmed: bool = False) -> dict:
     drafted = [r["draft_gpu_ms"] for r in best if r.get("draft_gpu_ms") is not None and not r.get("predrafted")]
     if drafted:
         s["p50"]["draft_gpu_ms"] = med(drafted)
-    # kit.warm: the share of rounds before which each stage's GPUs spun (0 with --warm-ms 0 and on CPU)
-    spun = [r["warm_spins"] for r in best if r.get("warm_spins")]
-    if spun:
-        s["warm_rounds"] = [sum(len(w) > i and w[i] > 0 for w in spun) / len(best) for i in range(len(spun[0]))]
     # overlap: a round whose drafts were made while the round before it was on the wire only takes them
     for key, part in (("predrafted", [r for r in best if r.get("predrafted")]),
                       ("drafted", [r for r in best if not r.get("predrafted")])):
@@ -276,7 +269,7 @@ def main(argv: list[str]) -> int:
                         "tiny: a random-weight smoke test of this script. Default: qwen2.5-7b on CUDA, smollm2 "
                         "otherwise")
     p.add_argument("--configs", default=None,
-                   help="comma list of plain,spec,no-overlap,no-warm,depth2,depth3,nf4-14b (default: all that apply)")
+                   help="comma list of plain,spec,no-overlap,depth2,depth3,nf4-14b (default: all that apply)")
     p.add_argument("--draft", default="ngram", help="drafter for --shape smollm2 (default: ngram)")
     p.add_argument("--k", type=int, default=8, help="draft tokens per round (default: 8)")
     p.add_argument("--rtt-ms", type=float, default=86.0, help="emulated ring round trip (default: 86)")
@@ -286,8 +279,6 @@ def main(argv: list[str]) -> int:
     p.add_argument("--wan-spin", action="store_true",
                    help="WAN emulators that never sleep (kit.wan --spin, a busy core each): their wake-ups "
                         "then stop adding to the emulated round trip")
-    p.add_argument("--warm-ms", type=float, default=2.0,
-                   help="the nodes' --warm-ms, except in no-warm (default: 2)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt (default: 96)")
     p.add_argument("--prompts", type=int, default=3, help="prompts per configuration (default: 3)")
     p.add_argument("--max-len", type=int, default=4096, help="KV cache length (default: 4096)")
@@ -300,8 +291,8 @@ def main(argv: list[str]) -> int:
     n_gpu = torch.cuda.device_count()
     devices = [f"cuda:{i}" for i in range(min(n_gpu, 2))] if cuda else ["cpu"]
     shape = a.shape or ("qwen2.5-7b" if cuda else "smollm2")
-    configs = (a.configs or ("spec,plain,no-overlap" + (",no-warm" if cuda else "") + ",depth2,depth3"
-                             + (",nf4-14b" if cuda and shape != "smollm2" else ""))).split(",")
+    configs = (a.configs or ("spec,plain,no-overlap,depth2,depth3" + (",nf4-14b" if cuda and shape != "smollm2"
+                                                                       else ""))).split(",")
     work = Path(a.work or tempfile.mkdtemp(prefix="kit-e2e-"))
     floors = {}
     if shape == "smollm2":
@@ -390,9 +381,6 @@ def main(argv: list[str]) -> int:
         if "beyond_path_ms" in m:
             print(f"[e2e] {name:>10}  round beyond a bare PING over the same path: {m['beyond_path_ms']:.1f} ms",
                   file=sys.stderr)
-        if any(s.get("warm_rounds", [])):
-            print(f"[e2e] {name:>10}  GPUs kept warm before {' / '.join(f'{x:.0%}' for x in s['warm_rounds'])} of the "
-                  "rounds (node 0 / later stages)", file=sys.stderr)
         if s["predrafted"]["rounds"]:
             h, d = s["predrafted"], s["drafted"]
             print(f"[e2e] {name:>10}  drafts made while the round before was on the wire: {h['rounds']} of "

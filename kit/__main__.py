@@ -20,9 +20,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-len", type=int, default=2048, help="KV cache length in tokens, prompt included (default: 2048)")
     g.add_argument("--graphs", choices=["auto", "on", "off"], default="auto",
                    help="CUDA graphs for the draft loop and the verify pass (auto: on CUDA)")
-    g.add_argument("--warm-ms", type=float, default=2.0,
-                   help="keep this node's GPUs busy for the last this many ms before a frame is due, so their "
-                        "clocks are up when it comes (0 = off; default: 2)")
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:

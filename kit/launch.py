@@ -162,8 +162,7 @@ class LocalCluster:
 def node_args(args) -> list[str]:
     """The `kit node` options that `kit run` passes through to every stage."""
     out = ["--target", args.target, "--draft", args.draft, "--device", args.device, "--dtype", args.dtype,
-           "--max-len", str(args.max_len), "--graphs", args.graphs, "--stage-timeout", str(args.stage_timeout),
-           "--warm-ms", str(args.warm_ms)]
+           "--max-len", str(args.max_len), "--graphs", args.graphs, "--stage-timeout", str(args.stage_timeout)]
     if args.load_in_4bit:
         out.append("--load-in-4bit")
     return out

@@ -7,8 +7,7 @@ Files in a metrics folder (read by notebooks/results.ipynb):
                  (the device's own time for them from CUDA events, without the host's share; null off CUDA),
                  network_ms (round - draft - stages), round_ms,
                  send_ms (stage 0 packs and sends), host_ms [per later stage: frame read -> compute],
-                 wake_ms (verdict read -> node 0 acts), warm_spins [per stage: spin kernels that kept its
-                 GPUs clocked up while it waited for this round, kit.warm], bytes_out, bytes_in
+                 wake_ms (verdict read -> node 0 acts), bytes_out, bytes_in
   summary.json   the last prompt's result (as `kit run --json` prints it) plus its round statistics
   prompts.jsonl  one such summary per prompt
 """

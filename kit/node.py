@@ -36,7 +36,6 @@ from kit.model import ConfigError, Stage
 from kit.plan import (PlanError, check_fit, estimate_kv, estimate_weights, even_split, format_plan, layer_devices,
                       place_node)
 from kit.verify import Sampling, verify
-from kit.warm import Warmer
 from relay.protocol import (Frame, FrameType, decode_control, decode_error, decode_tensor, decode_tokens,
                             encode_control, encode_tensor, encode_tokens)
 
@@ -77,29 +76,16 @@ def draft_device_ms(drafter) -> float | None:
 
 
 def sync(device: torch.device) -> None:
-    """Wait for this stream's work; the Warmer's spins on their side stream go on."""
     if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
-def devices_of(stage: Stage, drafter=None) -> list[torch.device]:
-    """Every device holding the stage's weights or the drafter's."""
-    found = {p.device for p in stage.parameters()}
-    if isinstance(getattr(drafter, "stage", None), Stage):
-        found |= {p.device for p in drafter.stage.parameters()}
-    return sorted(found, key=str)
+        torch.cuda.synchronize(device)
 
 
 class StageServer:
     """Stages 1..N-1: serve frames until node 0 ends the session."""
 
-    def __init__(self, client: RelayClient, stage: Stage, *, graphs: bool | None = None, warm_ms: float = 0.0,
-                 log=sys.stderr):
+    def __init__(self, client: RelayClient, stage: Stage, *, graphs: bool | None = None, log=sys.stderr):
         self.client, self.stage, self.log = client, stage, log
         self.runner = StageRunner(stage, graphs)
-        self.warmer = Warmer(devices_of(stage), warm_ms)  # the next round's input comes one round after this one's
-        self.last_round_at: float | None = None
-        self.spins_told = 0  # spins before earlier rounds, already reported in their meta
         self.index, self.n = client.stage, client.stages
         self.last = self.index == self.n - 1
         self.boot = uuid.uuid4().hex[:12]
@@ -116,9 +102,8 @@ class StageServer:
         self.hello()
         heard = time.monotonic()
         while True:
-            f = self.client.recv(timeout=self.warmer.timeout(1.0))
+            f = self.client.recv(timeout=1.0)
             if f is None:
-                self.warmer.poke()
                 if idle_timeout and time.monotonic() - heard > idle_timeout:
                     return False
                 continue
@@ -150,14 +135,6 @@ class StageServer:
             return
         self.gen = meta["gen"]
         t0 = time.perf_counter()
-        if meta["kind"] == "round":
-            arrived = frame.received or t0
-            if self.last_round_at is not None:
-                self.warmer.waited(arrived - self.last_round_at)
-            self.last_round_at = arrived
-            self.warmer.expect(arrived)
-            meta["warm_spins"] = meta.get("warm_spins", []) + [self.warmer.spins - self.spins_told]
-            self.spins_told = self.warmer.spins
         # from the frame's last byte off the socket to compute: reader -> main thread wake-up, unpacking
         meta["host_ms"] = meta.get("host_ms", []) + [(t0 - frame.received) * 1000 if frame.received else 0.0]
         if meta["kind"] == "prefill":
@@ -193,7 +170,6 @@ class StageServer:
         ids = tokens[1:1 + accepted] + [nxt]
         vmeta = {"rid": meta["rid"], "gen": meta["gen"], "accepted": accepted, "start": start,
                  "stage_ms": meta.get("stage_ms", []) + [ms], "host_ms": meta["host_ms"],
-                 "warm_spins": meta.get("warm_spins", []),
                  "stage_gpu_ms": meta.get("stage_gpu_ms", []) + [self.runner.clock.ms()]}
         self.verdicts[key] = (ids, vmeta)
         while len(self.verdicts) > 64:
@@ -226,11 +202,6 @@ class Flight:
         return len(self.base) - 1
 
     @property
-    def sent(self) -> float:
-        """perf_counter when its frame was handed to the socket."""
-        return self.began + (self.draft_ms + self.stage0_ms + self.send_ms) / 1000
-
-    @property
     def assumed(self) -> list[int]:
         return self.base + self.drafts
 
@@ -255,12 +226,10 @@ class Driver:
     """Node 0: prefill, then rounds of draft -> stage 0 -> ring -> verdict, with overlap and rounds in flight."""
 
     def __init__(self, client: RelayClient, stage: Stage, drafter, *, graphs: bool | None = None,
-                 warm_ms: float = 0.0, metrics: MetricsWriter | None = None, progress: Progress | None = None,
-                 log=sys.stderr, on_tokens=None):
+                 metrics: MetricsWriter | None = None, progress: Progress | None = None, log=sys.stderr,
+                 on_tokens=None):
         self.client, self.stage, self.drafter = client, stage, drafter
         self.runner = StageRunner(stage, graphs)
-        self.warmer = Warmer(devices_of(stage, drafter), warm_ms)  # a verdict comes one ring trip after its send
-        self.spins_told = 0
         self.n = client.stages
         self.metrics, self.progress, self.log, self.on_tokens = metrics, progress, log, on_tokens
         self.boots: dict[int, str] = {}
@@ -466,16 +435,14 @@ class Driver:
     def wait_verdict(self, flights, opts: RunOptions, progress_at: float) -> tuple[list[int], dict]:
         head = flights[0]
         resend_at = time.monotonic() + opts.resend_after_s
-        self.warmer.expect(head.sent)
         while True:
             if self.client.reconnects != self.last_reconnects:
                 self.last_reconnects = self.client.reconnects
                 self.resend(flights)  # frames inside a broken link may be lost
                 resend_at = time.monotonic() + opts.resend_after_s
-            f = self.client.recv(timeout=self.warmer.timeout(0.25))
+            f = self.client.recv(timeout=0.25)
             now = time.monotonic()
             if f is None:
-                self.warmer.poke()
                 if now - progress_at > opts.stage_timeout_s:
                     raise StageTimeout(f"no verdict for {opts.stage_timeout_s:.0f} s: a stage is gone "
                                        f"(last heard: {sorted(self.boots)})")
@@ -487,10 +454,6 @@ class Driver:
                 ids, vmeta = decode_tokens(f.payload)
                 if vmeta.get("gen") == self.gen and vmeta.get("rid") == head.rid and not vmeta.get("discarded"):
                     vmeta["wake_ms"] = (time.perf_counter() - f.received) * 1000 if f.received else 0.0
-                    self.warmer.waited((f.received or time.perf_counter()) - head.sent)
-                    self.warmer.arrived()
-                    vmeta["warm_spins"] = [self.warmer.spins - self.spins_told, *vmeta.get("warm_spins", [])]
-                    self.spins_told = self.warmer.spins
                     return ids, vmeta
             elif f.type == FrameType.CONTROL:
                 msg = decode_control(f.payload)
@@ -519,7 +482,6 @@ class Driver:
                "draft_gpu_ms": f.draft_gpu_ms, "stage_gpu_ms": vmeta.get("stage_gpu_ms", []),
                "network_ms": max(0.0, round_ms - f.draft_ms - sum(stage_ms)), "round_ms": round_ms,
                "send_ms": f.send_ms, "host_ms": vmeta.get("host_ms", []), "wake_ms": vmeta.get("wake_ms", 0.0),
-               "warm_spins": vmeta.get("warm_spins", []),
                "bytes_out": len(f.payload), "bytes_in": 8 + 4 * (vmeta["accepted"] + 1)}
         if self.metrics:
             self.metrics.round(row)
@@ -690,7 +652,7 @@ def main(args) -> int:
     if args.stage != 0:
         print(f"[stage {args.stage}] layers {start}-{end - 1} ready; serving", file=sys.stderr)
         try:
-            ended = StageServer(client, stage, graphs=graphs, warm_ms=args.warm_ms).serve(args.idle_timeout)
+            ended = StageServer(client, stage, graphs=graphs).serve(args.idle_timeout)
         finally:
             client.close()
         if not ended:
@@ -716,7 +678,7 @@ def drive(args, client, stage, folder, cfg, dtype, draft_device, graphs) -> int:
     metrics = MetricsWriter(args.metrics_dir) if args.metrics_dir else None
     progress = Progress() if not args.quiet and not args.stream else None
     streamer = TextStream(tokenizer) if args.stream and tokenizer is not None else None
-    driver = Driver(client, stage, drafter, graphs=graphs, warm_ms=args.warm_ms, metrics=metrics, progress=progress,
+    driver = Driver(client, stage, drafter, graphs=graphs, metrics=metrics, progress=progress,
                     on_tokens=streamer.update if streamer else None)
     sampling = Sampling(args.temperature, args.top_p, args.top_k, args.seed)
     opts = RunOptions(args.max_new_tokens, args.k, args.adaptive_k, args.depth, not args.no_overlap, sampling,

@@ -19,8 +19,6 @@ from conftest import make_tiny
 from kit.draft import ModelDrafter
 from kit.graphs import StageRunner
 from kit.load import load_stage
-from kit.node import sync
-from kit.warm import LATE_S, Warmer
 
 torch.set_grad_enabled(False)
 
@@ -126,40 +124,3 @@ def test_device_clocks_time_the_work_they_wrap(tiny):
     assert 0 < drafter.clock.ms() <= draft_wall
     drafter.propose(PROMPT, 0)
     assert drafter.clock.ms() is None  # an empty draft does not report the one before it
-
-
-def test_warmer_spins_beside_the_work_only_just_before_a_frame_is_due():
-    """A node that waits for a frame keeps its GPU busy only in the last lead_ms before the frame is
-    expected, on a side stream: the node's own work and its stream sync do not wait for the spin."""
-    dev = torch.device("cuda:0")
-    warmer = Warmer([dev, torch.device("cpu")], lead_ms=20)
-    warmer.waited(5.0)  # a pause between prompts, not the rhythm of rounds: ignored
-    for w in (0.1, 0.1, 0.3):
-        warmer.waited(w)
-    x = torch.ones(1024, device=dev)
-    sync(dev)
-    since = time.perf_counter()
-    warmer.expect(since)  # median wait 0.1 s: due at since + 0.1, spins from since + 0.08
-    first = warmer.timeout(1.0)
-    assert 0.07 < first <= 0.08
-    warmer.poke()
-    assert warmer.spins == 0  # too early
-    time.sleep(first)
-    warmer.poke()
-    assert warmer.spins == 1
-    side = warmer.gpus[0][0]
-    y = x * 2
-    sync(dev)
-    assert not side.query(), "the node's sync waited for the spin"
-    assert float(y.sum()) == 2048
-    while time.perf_counter() < since + 0.1:  # a wait loop: poke whenever timeout() says
-        time.sleep(warmer.timeout(1.0))
-        warmer.poke()
-    assert 3 <= warmer.spins <= 1 + 2 * 20  # spins all through the lead, at most one per poke
-    time.sleep(max(0.0, since + 0.1 + LATE_S - time.perf_counter()) + 0.002)
-    n = warmer.spins
-    warmer.poke()
-    assert warmer.spins == n and warmer.timeout(1.0) == 1.0  # the frame is late: the GPU may idle again
-    warmer.arrived()
-    assert warmer.timeout(0.5) == 0.5
-    assert Warmer([torch.device("cpu")], lead_ms=20).gpus == []  # nothing to keep warm on CPU
