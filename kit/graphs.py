@@ -124,33 +124,25 @@ def pad(x: torch.Tensor, P: int, ids: bool) -> torch.Tensor:
 
 
 class StageRunner:
-    """Run `stage` on T new tokens at `start`: rewinds the cache to start, leaves it at start + T.
+    """Run `stage` on T new tokens at `start`: rewinds the cache to start, leaves it at start + T."""
 
-    With `to_host` (a stage whose output goes to the network), the graph also copies its output into a
-    pinned host buffer and the call returns that buffer: once the caller has synced, the bytes are on the
-    host without a copy call of their own (which costs a non-last stage ~0.2 ms per round on an H200 host).
-    """
-
-    def __init__(self, stage: Stage, graphs: bool | None = None, compile: bool | str | None = None,
-                 to_host: bool = False):
+    def __init__(self, stage: Stage, graphs: bool | None = None, compile: bool | str | None = None):
         self.stage = stage
         self.device = stage.device
         one_device = len({layer.input_layernorm.weight.device for layer in stage.layers}) == 1
         self.graphs = (self.device.type == "cuda" and one_device) if graphs is None else graphs
-        self.to_host = to_host and self.graphs and not stage.last
         self.compile = compile_mode(stage, compile) if self.graphs else None
         self._pass_fn = compiled(self._pass, self.compile) if self.compile else self._pass
-        # (T, span) -> (graph, x, start, out, slots, host out or None): every tensor a graph reads or writes
-        # must stay referenced, or its memory goes back to the allocator and later replays use whatever is there
+        # (T, span) -> (graph, x, start, out, slots): every tensor a graph reads must stay referenced, or
+        # its memory goes back to the allocator and later replays read whatever was put there
         self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                     torch.Tensor, torch.Tensor | None]] = {}
+                                                     torch.Tensor]] = {}
         self._pool = None
         self.clock = DeviceClock(self.device if one_device else None)  # the last call's device time
 
     def __call__(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """x: token ids [T] (first stage) or hidden [1, T, D], on the stage's device or the host (one copy
-        into the graph's input then). Returns the stage output for the T tokens, on the device (on the host,
-        in pinned memory the next call overwrites, with `to_host`: read it after a sync)."""
+        into the graph's input then). Returns the stage output for the T tokens, on the device."""
         stage = self.stage
         T = x.shape[0] if stage.first else x.shape[1]
         stage.rewind(start)
@@ -167,8 +159,7 @@ class StageRunner:
             key = (P, span(start + P, stage.max_len))
             self._capture(*key, pad(x.to(self.device), P, stage.first))
         P = key[0]
-        graph, x_in, start_in, out, _, host = self._captured[key]
-        out = out if host is None else host
+        graph, x_in, start_in, out, _ = self._captured[key]
         self.clock.mark(0)
         if stage.first:
             x_in[:T].copy_(x, non_blocking=True)
@@ -193,15 +184,6 @@ class StageRunner:
         torch._dynamo.maybe_mark_dynamic(slots, 0)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        # allocated before the capture: pinning memory while capturing is not allowed
-        host = torch.empty((1, T, stage.cfg.hidden_size), dtype=stage.dtype, pin_memory=True) if self.to_host else None
-
-        def run() -> torch.Tensor:
-            out = self._pass_fn(x_in, start_in, slots)
-            if host is not None:
-                host.copy_(out, non_blocking=True)
-            return out
-
         with scratch_tail(stage, T):
-            graph, out = capture(run, self._pool, self.device)
-        self._captured[T, S] = (graph, x_in, start_in, out, slots, host)
+            graph, out = capture(lambda: self._pass_fn(x_in, start_in, slots), self._pool, self.device)
+        self._captured[T, S] = (graph, x_in, start_in, out, slots)

@@ -85,7 +85,7 @@ class StageServer:
 
     def __init__(self, client: RelayClient, stage: Stage, *, graphs: bool | None = None, log=sys.stderr):
         self.client, self.stage, self.log = client, stage, log
-        self.runner = StageRunner(stage, graphs, to_host=True)  # the last stage keeps its logits on the device
+        self.runner = StageRunner(stage, graphs)
         self.index, self.n = client.stage, client.stages
         self.last = self.index == self.n - 1
         self.boot = uuid.uuid4().hex[:12]
@@ -229,7 +229,7 @@ class Driver:
                  metrics: MetricsWriter | None = None, progress: Progress | None = None, log=sys.stderr,
                  on_tokens=None):
         self.client, self.stage, self.drafter = client, stage, drafter
-        self.runner = StageRunner(stage, graphs, to_host=True)
+        self.runner = StageRunner(stage, graphs)
         self.n = client.stages
         self.metrics, self.progress, self.log, self.on_tokens = metrics, progress, log, on_tokens
         self.boots: dict[int, str] = {}
