@@ -62,10 +62,9 @@ class ModelDrafter:
         self.compile = compile_mode(stage, compile) if self.graphs and not self.kernels else None
         self._step_fn = compiled(self._step, self.compile) if self.compile else self._step
         self.fed: list[int] = []
-        # per catch-up count c (0 or 1): (k, span) -> (graph, drafts, numpy views of the host's tokens [c + 1]
-        # and start, the pinned tensor under them); the graph copies its inputs from that pinned memory
-        # itself, so a draft makes no CUDA call but the replay and the read-back
-        self._captured: dict[int, dict[tuple[int, int], tuple]] = {0: {}, 1: {}}
+        # per catch-up count c (0 or 1): (k, span) -> (graph, token buffer [c + 1], start, drafts)
+        self._captured: dict[int, dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor,
+                                                                torch.Tensor]]] = {0: {}, 1: {}}
         self._pool = None
         self.clock = DeviceClock(stage.device)  # the last draft's device time: clock.ms(), None off CUDA
 
@@ -139,9 +138,9 @@ class ModelDrafter:
                       "drafting with PyTorch ops", file=sys.stderr)
                 self.kernels = False
                 self._capture(c, *key)
-        graph, out, toks_host, start_host, _ = captured[key]
-        toks_host[:] = feed  # numpy views of pinned memory: no tensor op
-        start_host[0] = start
+        graph, toks, start_t, out = captured[key]
+        toks.copy_(torch.tensor(feed), non_blocking=True)
+        start_t.fill_(start)
         with torch.cuda.device(dev):  # the drafter may live on another GPU than the stage
             graph.replay()
         self.clock.mark(1)
@@ -149,21 +148,14 @@ class ModelDrafter:
 
     def _capture(self, c: int, k: int, S: int) -> None:
         dev, stage = self.stage.device, self.stage
-        # [tokens, start] on the host and on the device; warm-up and capture write the cache's tail
-        host = torch.tensor([0] * (c + 1) + [stage.max_len - c - k], dtype=torch.long).pin_memory()
-        inputs = torch.empty(c + 2, dtype=torch.long, device=dev)
+        toks = torch.zeros(c + 1, dtype=torch.long, device=dev)
+        start = torch.full((1,), stage.max_len - c - k, dtype=torch.long, device=dev)
         out = torch.zeros(k, dtype=torch.long, device=dev)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-
-        def run() -> None:
-            inputs.copy_(host, non_blocking=True)
-            self._body(inputs[: c + 1], inputs[c + 1:], out, k, S)
-
         with scratch_tail(stage, c + k):
-            graph, _ = capture(run, self._pool, dev)
-        view = host.numpy()
-        self._captured[c][k, S] = (graph, out, view[: c + 1], view[c + 1:], host)
+            graph, _ = capture(lambda: self._body(toks, start, out, k, S), self._pool, dev)
+        self._captured[c][k, S] = (graph, toks, start, out)
 
 
 def argmax(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:

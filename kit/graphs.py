@@ -133,21 +133,16 @@ class StageRunner:
         self.graphs = (self.device.type == "cuda" and one_device) if graphs is None else graphs
         self.compile = compile_mode(stage, compile) if self.graphs else None
         self._pass_fn = compiled(self._pass, self.compile) if self.compile else self._pass
-        # (T, span) -> (graph, x, start, out, slots, x on the host, start on the host): every tensor a graph
-        # reads must stay referenced, or its memory goes back to the allocator and later replays read
-        # whatever was put there
-        self._captured: dict[tuple[int, int], tuple] = {}
+        # (T, span) -> (graph, x, start, out, slots): every tensor a graph reads must stay referenced, or
+        # its memory goes back to the allocator and later replays read whatever was put there
+        self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                     torch.Tensor]] = {}
         self._pool = None
         self.clock = DeviceClock(self.device if one_device else None)  # the last call's device time
 
     def __call__(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """x: token ids [T] (first stage) or hidden [1, T, D], on the host or the stage's device. Returns
-        the stage output for the T tokens, on the device.
-
-        A graph copies its inputs from pinned host buffers itself, as its first nodes, so a call makes no
-        CUDA call before the replay but the replay (on an H200 host the copy and fill calls they replace
-        cost ~0.1 ms a pass). It also means the graph reads those buffers when it runs: sync (or read the
-        output) before the next call, as every caller here does."""
+        """x: token ids [T] (first stage) or hidden [1, T, D], on the stage's device or the host (one copy
+        into the graph's input then). Returns the stage output for the T tokens, on the device."""
         stage = self.stage
         T = x.shape[0] if stage.first else x.shape[1]
         stage.rewind(start)
@@ -164,13 +159,13 @@ class StageRunner:
             key = (P, span(start + P, stage.max_len))
             self._capture(*key, pad(x.to(self.device), P, stage.first))
         P = key[0]
-        graph, _, _, out, _, x_host, start_host = self._captured[key]
-        if stage.first:
-            x_host[:T].copy_(x)
-        else:
-            x_host[:, :T].copy_(x)
-        start_host[0] = start  # a numpy view: no tensor op
+        graph, x_in, start_in, out, _ = self._captured[key]
         self.clock.mark(0)
+        if stage.first:
+            x_in[:T].copy_(x, non_blocking=True)
+        else:
+            x_in[:, :T].copy_(x, non_blocking=True)
+        start_in.fill_(start)
         with torch.cuda.device(self.device):  # replays go to the current device's stream
             graph.replay()
         self.clock.mark(1)
@@ -184,19 +179,11 @@ class StageRunner:
     def _capture(self, T: int, S: int, example: torch.Tensor) -> None:
         stage = self.stage
         x_in = torch.zeros_like(example)
-        start_in = torch.empty((1,), dtype=torch.long, device=self.device)
-        x_host = torch.zeros(example.shape, dtype=example.dtype, pin_memory=True)
-        start_host = torch.full((1,), stage.max_len - T, dtype=torch.long, pin_memory=True)  # warm-up and capture
-        slots = torch.arange(S, device=self.device)                                          # write the cache's tail
+        start_in = torch.full((1,), stage.max_len - T, dtype=torch.long, device=self.device)
+        slots = torch.arange(S, device=self.device)
         torch._dynamo.maybe_mark_dynamic(slots, 0)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-
-        def run() -> torch.Tensor:
-            x_in.copy_(x_host, non_blocking=True)
-            start_in.copy_(start_host, non_blocking=True)
-            return self._pass_fn(x_in, start_in, slots)
-
         with scratch_tail(stage, T):
-            graph, out = capture(run, self._pool, self.device)
-        self._captured[T, S] = (graph, x_in, start_in, out, slots, x_host, start_host.numpy())
+            graph, out = capture(lambda: self._pass_fn(x_in, start_in, slots), self._pool, self.device)
+        self._captured[T, S] = (graph, x_in, start_in, out, slots)
