@@ -86,8 +86,8 @@ class DeviceClock:
 
     def __init__(self, device: torch.device | None):
         self.device = device
-        on = device is not None and device.type == "cuda"
-        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if on else None
+        self.on = device is not None and device.type == "cuda"  # whether ms() can ever give a time
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.on else None
         self.timed = False  # both marks made since the last reset
 
     def reset(self) -> None:

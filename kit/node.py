@@ -391,7 +391,8 @@ class Driver:
                 predrafted = bool(self.pending_spec and self.pending_spec[0] == base)
                 if predrafted:
                     drafts = self.pending_spec[1]  # drafted while the previous round was on the wire
-                    gpu_ms = None if draft_device_ms(self.drafter) is None else 0.0
+                    clock = getattr(self.drafter, "clock", None)
+                    gpu_ms = 0.0 if clock and clock.on else None  # no device work in this round
                 else:
                     drafts = self.drafter.propose(base, self.clamp(want, base, room))
                     gpu_ms = draft_device_ms(self.drafter)
