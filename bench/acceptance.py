@@ -27,6 +27,7 @@ from kit.draft import make_drafter  # noqa: E402
 from kit.generate import generate  # noqa: E402
 from kit.graphs import StageRunner  # noqa: E402
 from kit.load import CheckpointError, gguf_to_folder, load_config, load_stage, smollm2_gguf  # noqa: E402
+from kit.node import TOP, rank_branches  # noqa: E402
 
 PROMPTS = {
     "chat": "I have three days in Rome in October. Suggest what to see each day and which local dishes to try.",
@@ -82,6 +83,37 @@ def runner_up(drafter, ids: list[int], answer: list[int]) -> dict | None:
             "runner_up_when_wrong": round((top[:, 1] == want)[wrong].float().mean().item(), 4) if wrong.any() else None}
 
 
+BUDGETS = (1, 2, 4, 8, 16)
+
+
+def branch_hits(drafter, ids: list[int], answer: list[int], k: int) -> dict | None:
+    """Rounds along the target's own answer, as node 0 would draft them with overlap: how often the next
+    round's drafts could have been ready when the verdict came, with only the full-acceptance guess
+    (`full_only`) or with the n likeliest runner-up branches too (kit.node.rank_branches), n in BUDGETS.
+    Model drafters only."""
+    if not hasattr(drafter, "top") or len(answer) <= k:
+        return None
+    rounds, full, hits, p = 0, 0, dict.fromkeys(BUDGETS, 0), 0
+    while p + k < len(answer):
+        ctx = ids + answer[:p]
+        drafts = drafter.propose(ctx, k)
+        rows, logps = drafter.top(TOP)
+        guess = drafter.propose(ctx + drafts, k + 1)[0]
+        g_rows, g_logps = drafter.top(TOP)
+        a = 0
+        while a < k and drafts[a] == answer[p + a]:
+            a += 1
+        truth = (a, answer[p + a])
+        full += truth == (k, guess)
+        ranked = rank_branches(drafts + [guess], (rows + g_rows[:1], logps + g_logps[:1]), max(BUDGETS))
+        for n in BUDGETS:
+            hits[n] += truth == (k, guess) or truth in ranked[:n]
+        rounds += 1
+        p += a + 1
+    return {"k": k, "rounds": rounds, "full_only": round(full / rounds, 4),
+            "with_branches": {str(n): round(h / rounds, 4) for n, h in hits.items()}}
+
+
 def run(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
@@ -113,8 +145,14 @@ def run(args: argparse.Namespace) -> dict:
                     print(f"{spec:>8} K={k} {name:<8} {rows[-1]['tokens_per_round']:.2f} tokens/round over "
                           f"{rows[-1]['rounds']} rounds, by position {rows[-1]['acceptance_by_position']}"
                           f"{'' if same else '  OUTPUT DIFFERS'}", flush=True)
+            ready = branch_hits(drafter, ids, reference, max(args.k))
+            if ready:
+                print(f"{spec:>8} {name:<8} next drafts ready at the verdict (K={ready['k']}): full-acceptance "
+                      f"guess {ready['full_only']:.2f}, with n runner-up branches {ready['with_branches']}",
+                      flush=True)
             forced = runner_up(drafter, ids, reference)
             if forced:
+                forced["overlap"] = ready
                 print(f"{spec:>8} {name:<8} teacher-forced: top-1 {forced['top1_agreement']:.2f}, "
                       f"runner-up when wrong {forced['runner_up_when_wrong']}", flush=True)
                 for row in rows:
@@ -142,7 +180,10 @@ def run(args: argparse.Namespace) -> dict:
                  "than K drafts (or none) in a round. seconds are CPU wall time, informative only. "
                  "teacher_forced (model drafters): the drafter run over the target-only answer; top1_agreement "
                  "= share of answer tokens that are its top token, runner_up_when_wrong = share of the others "
-                 "that are its second.",
+                 "that are its second; overlap (K = the largest --k): along the same answer, the share of rounds whose next "
+                 "drafts the drafter could have made while the round was out: full_only with the full-acceptance "
+                 "guess alone (what overlap did before runner-up branches), with_branches[n] with the n likeliest "
+                 "runner-up branches as well (kit node --branches n).",
     }
 
 

@@ -4,7 +4,10 @@ A relay, a WAN emulator per link (86 ms ring round trip by default) and one `kit
 stage (one GPU each when there are two, both on one GPU otherwise, or CPU), for several configurations:
 
   plain       no drafter, one token per round (the baseline)
-  spec        model drafter, K drafts per round, drafting overlapped with the network, 1 round in flight
+  spec        model drafter, K drafts per round, drafting overlapped with the network, 1 round in flight:
+              the next round drafted on the guess that this one is fully accepted, then on the drafter's
+              runner-ups at the likeliest rejections (--branches) while the round is out
+  no-branches the same with only the full-acceptance guess
   no-overlap  the same without overlap
   depth2/3    the same with 2 / 3 rounds in flight
   nf4-14b     a Qwen2.5-14B shape in NF4 (bitsandbytes) with the same drafter (CUDA only)
@@ -68,20 +71,27 @@ def hf_config(shape: str) -> dict:
             **SHAPES[shape]}
 
 
-def planted_maps(acceptance: float, vocab: int = 0, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def planted_maps(acceptance: float, vocab: int = 0, seed: int = 0,
+                 runner_up: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Permutations pi (target) and pi_d (drafter) of the shared vocabulary that agree on a fraction
-    `acceptance` of tokens: pi_d = pi o sigma, sigma a cycle through the other tokens."""
+    `acceptance` of tokens (pi_d = pi o sigma, sigma a cycle through the other tokens), and the drafter's
+    second choice: pi(x) for a fraction `runner_up` of the tokens where they disagree, else -1 (none)."""
     vocab = vocab or SHARED_VOCAB
     g = torch.Generator().manual_seed(seed)
     pi = torch.randperm(vocab, generator=g)
     moved = torch.randperm(vocab, generator=g)[: round((1 - acceptance) * vocab)]
     sigma = torch.arange(vocab)
     sigma[moved] = moved.roll(1)
-    return pi, pi[sigma]
+    second = torch.full((vocab,), -1)
+    hinted = moved[: round(runner_up * len(moved))]
+    second[hinted] = pi[hinted]
+    return pi, pi[sigma], second
 
 
-def write_checkpoint(path: Path, shape: str, next_token: torch.Tensor, device: str, seed: int) -> Path:
-    """A Qwen2-style safetensors checkpoint (one shard per few layers) whose greedy map is next_token."""
+def write_checkpoint(path: Path, shape: str, next_token: torch.Tensor, device: str, seed: int,
+                     second: torch.Tensor | None = None) -> Path:
+    """A Qwen2-style safetensors checkpoint (one shard per few layers) whose greedy map is next_token,
+    and whose second likeliest token after x is second[x] where that is >= 0."""
     from safetensors.torch import save_file
 
     if (path / "config.json").exists():
@@ -100,6 +110,9 @@ def write_checkpoint(path: Path, shape: str, next_token: torch.Tensor, device: s
     embed = randn(V, D)
     head = randn(V, D, std=0.01)
     head[next_token.to(device)] = embed[: len(next_token)]  # the head row of pi(x) is the embedding of x
+    if second is not None:  # and 0.7 of it is added to the row of second[x] (clear of the random rows'
+        x = (second >= 0).nonzero().view(-1)  # overlap with it even at a test model's 32 dimensions)
+        head.index_add_(0, second[x].to(device), (embed[x.to(device)].float() * 0.7).half())
     shards[0].update({"model.embed_tokens.weight": embed})
     for i in range(L):
         p = f"model.layers.{i}."
@@ -155,11 +168,13 @@ def read_bytes(cfg: ModelConfig, start: int, end: int, last: bool, nf4: bool = F
 
 def run_config(name: str, target: str, draft: str, devices: list[str], prompt_args: list[str], a) -> dict:
     """One configuration: fresh relay, emulators and stage processes; returns its metrics."""
-    k, depth, overlap, nf4 = a.k, 1, True, False
+    k, depth, overlap, nf4, branches = a.k, 1, True, False, a.branches
     if name == "plain":
         draft, k = "none", 1
     elif name == "no-overlap":
         overlap = False
+    elif name == "no-branches":
+        branches = 0
     elif name.startswith("depth"):
         depth = int(name[5:])
     elif name == "nf4-14b":
@@ -177,6 +192,7 @@ def run_config(name: str, target: str, draft: str, devices: list[str], prompt_ar
             cluster.start_stage(1, common + ["--device", devices[-1]])
             node0 = cluster.start_stage(
                 0, common + ["--device", devices[0], "--draft", draft, "--k", str(k), "--depth", str(depth),
+                             "--branches", str(branches),
                              "--max-new-tokens", str(a.max_new_tokens), "--json", "--quiet",
                              "--metrics-dir", str(metrics), *prompt_args] + ([] if overlap else ["--no-overlap"]),
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -195,7 +211,7 @@ def run_config(name: str, target: str, draft: str, devices: list[str], prompt_ar
     if "p50" in steady and ping.get("1"):
         # the round beyond a bare PING's trip over the same path (relay, emulators, reader threads)
         steady["p50"]["beyond_path_ms"] = steady["round_ms_p50"] - ping["1"]
-    return {"name": name, "draft": draft, "k": k, "depth": depth, "overlap": overlap, "nf4": nf4,
+    return {"name": name, "draft": draft, "k": k, "depth": depth, "overlap": overlap, "branches": branches, "nf4": nf4,
             "wall_s": time.time() - t0, "results": [{key: r[key] for key in ("tps", "tokens_per_round", "ttft_ms",
                                                                            "generated_tokens", "token_ids")}
                                                   for r in results],
@@ -259,6 +275,7 @@ def steady_state(rows: list[dict], rtt_ms: float, warmed: bool = False) -> dict:
         if part:
             s[key].update(draft_ms_p50=med(r["draft_ms"] for r in part), round_ms_p50=med(r["round_ms"] for r in part),
                           non_network_ms_p50=med(r["round_ms"] - rtt_ms for r in part))
+    s["branches_per_round"] = statistics.fmean(r.get("branches", 0) for r in best)  # runner-up predrafts made
     return s
 
 
@@ -269,13 +286,21 @@ def main(argv: list[str]) -> int:
                         "tiny: a random-weight smoke test of this script. Default: qwen2.5-7b on CUDA, smollm2 "
                         "otherwise")
     p.add_argument("--configs", default=None,
-                   help="comma list of plain,spec,no-overlap,depth2,depth3,nf4-14b (default: all that apply)")
+                   help="comma list of plain,spec,no-branches,no-overlap,depth2,depth3,nf4-14b (default: all "
+                        "that apply)")
     p.add_argument("--draft", default="ngram", help="drafter for --shape smollm2 (default: ngram)")
     p.add_argument("--k", type=int, default=8, help="draft tokens per round (default: 8)")
+    p.add_argument("--branches", type=int, default=8,
+                   help="runner-up branches drafted at most while a round is out (kit node --branches; the "
+                        "no-branches configuration sets 0) (default: 8)")
     p.add_argument("--rtt-ms", type=float, default=86.0, help="emulated ring round trip (default: 86)")
     p.add_argument("--acceptance", type=float, default=0.78,
                    help="planted per-token acceptance of the random-weight drafter; 0.78 gives 4.07 tokens per "
                         "round at K=8, the reference run's (default: 0.78)")
+    p.add_argument("--runner-up", type=float, default=0.0,
+                   help="planted: where the random-weight drafter's top token is wrong, the share of tokens for "
+                        "which the target's token is its second (what runner-up branches can hit; real rates "
+                        "come from bench/acceptance.py). Default 0: the drafter's runner-ups are random")
     p.add_argument("--wan-spin", action="store_true",
                    help="WAN emulators that never sleep (kit.wan --spin, a busy core each): their wake-ups "
                         "then stop adding to the emulated round trip")
@@ -291,7 +316,7 @@ def main(argv: list[str]) -> int:
     n_gpu = torch.cuda.device_count()
     devices = [f"cuda:{i}" for i in range(min(n_gpu, 2))] if cuda else ["cpu"]
     shape = a.shape or ("qwen2.5-7b" if cuda else "smollm2")
-    configs = (a.configs or ("spec,plain,no-overlap,depth2,depth3" + (",nf4-14b" if cuda and shape != "smollm2"
+    configs = (a.configs or ("spec,plain,no-branches,no-overlap,depth2,depth3" + (",nf4-14b" if cuda and shape != "smollm2"
                                                                        else ""))).split(",")
     work = Path(a.work or tempfile.mkdtemp(prefix="kit-e2e-"))
     floors = {}
@@ -307,9 +332,10 @@ def main(argv: list[str]) -> int:
         t0 = time.time()
         names = ("tiny", "tiny-draft") if shape == "tiny" else ("qwen2.5-7b", "qwen2.5-0.5b")
         shared = min(SHAPES[n]["vocab_size"] for n in names) - (2 if shape == "tiny" else 0)
-        pi, pi_d = planted_maps(a.acceptance, shared)
+        pi, pi_d, second = planted_maps(a.acceptance, shared, runner_up=a.runner_up)
         target = str(write_checkpoint(work / names[0], names[0], pi, devices[0], 1))
-        draft = str(write_checkpoint(work / names[1], names[1], pi_d, devices[0], 2))
+        draft = str(write_checkpoint(work / f"{names[1]}-a{a.acceptance:g}-r{a.runner_up:g}", names[1], pi_d,
+                                     devices[0], 2, second))
         if "nf4-14b" in configs:
             write_checkpoint(work / "qwen2.5-14b", "qwen2.5-14b", pi, devices[0], 3)
         print(f"[e2e] checkpoints written in {time.time() - t0:.0f} s", file=sys.stderr)
@@ -319,7 +345,7 @@ def main(argv: list[str]) -> int:
         # the planted map ignores context: one prompt is representative; the first pass of it warms up
         # (graphs captured, code compiled at every span it reaches), the second is measured
         prompt_args = ["--prompt-ids", ids, "--prompt-ids", ids]
-        acceptance = f"planted {a.acceptance}"
+        acceptance = f"planted {a.acceptance}, runner-up {a.runner_up}"
         bw = [copy_bandwidth(d) for d in devices] if cuda else [float("inf")]
         cfg = ModelConfig.from_hf(hf_config(names[0]))
         dcfg = ModelConfig.from_hf(hf_config(names[1]))
@@ -384,7 +410,7 @@ def main(argv: list[str]) -> int:
         if s["predrafted"]["rounds"]:
             h, d = s["predrafted"], s["drafted"]
             print(f"[e2e] {name:>10}  drafts made while the round before was on the wire: {h['rounds']} of "
-                  f"{s['rounds']} rounds, draft {h['draft_ms_p50']:.2f} ms, non-network {h['non_network_ms_p50']:.1f} "
+                  f"{s['rounds']} rounds ({s['branches_per_round']:.1f} runner-up branches drafted a round), draft {h['draft_ms_p50']:.2f} ms, non-network {h['non_network_ms_p50']:.1f} "
                   f"ms (others: draft {d.get('draft_ms_p50', 0):.1f}, non-network {d.get('non_network_ms_p50', 0):.1f})",
                   file=sys.stderr)
     ok = [c for c in out["configs"].values() if "error" not in c]

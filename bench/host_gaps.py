@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
     work = Path(tempfile.mkdtemp(prefix="kit-gaps-"))
     names = ("qwen2.5-7b", "qwen2.5-0.5b")
     shared = min(e2e.SHAPES[n]["vocab_size"] for n in names)
-    pi, pi_d = e2e.planted_maps(0.78, shared)
+    pi, pi_d, _ = e2e.planted_maps(0.78, shared)
     target = str(e2e.write_checkpoint(work / names[0], names[0], pi, str(d0), 1))
     draft = str(e2e.write_checkpoint(work / names[1], names[1], pi_d, str(d0), 2))
     half = e2e.SHAPES[names[0]]["num_hidden_layers"] // 2

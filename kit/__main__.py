@@ -36,6 +36,10 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="rounds in flight: send round r+1 before round r's verdict (1 = off, default: 1)")
     g.add_argument("--no-overlap", action="store_true",
                    help="do not draft the next round while the current one is on the network")
+    g.add_argument("--branches", type=int, default=8,
+                   help="with overlap and a model drafter: also draft the next round after up to N likely "
+                        "rejections (the drafter's runner-up tokens) while a round is out, as many as fit before "
+                        "its verdict is due (0 = off, default: 8)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default: 0 = off)")

@@ -298,6 +298,10 @@ class RelayClient:
                 raise self._lost
             return item
 
+    def pending(self) -> bool:
+        """Whether a frame for recv() is already waiting (the reader thread queued it)."""
+        return not self._inbox.empty()
+
     def _read_for_caller(self, wait: float) -> Frame | object | None:
         """Up to `wait` s: a frame read here (or queued by the reader thread), or None."""
         wire = self._wire

@@ -6,6 +6,7 @@ treats the draft distribution as a point mass and only token ids ever cross the 
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -62,14 +63,16 @@ class ModelDrafter:
         self.compile = compile_mode(stage, compile) if self.graphs and not self.kernels else None
         self._step_fn = compiled(self._step, self.compile) if self.compile else self._step
         self.fed: list[int] = []
-        # per catch-up count c (0 or 1): (k, span) -> (graph, token buffer [c + 1], start, drafts)
+        # per catch-up count c (0 or 1): (k, span) -> (graph, token buffer [c + 1], start, drafts, logits [k, V])
         self._captured: dict[int, dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor,
-                                                                torch.Tensor]]] = {0: {}, 1: {}}
+                                                                torch.Tensor, torch.Tensor]]] = {0: {}, 1: {}}
+        self.logits: torch.Tensor | None = None  # [k, vocab_limit] of the last propose, until the next one
         self._pool = None
         self.clock = DeviceClock(stage.device)  # the last draft's device time: clock.ms(), None off CUDA
 
     def propose(self, context: list[int], k: int) -> list[int]:
         self.clock.reset()
+        self.logits = None
         if k <= 0 or not context:
             return []
         stage = self.stage
@@ -96,23 +99,52 @@ class ModelDrafter:
         stage.length = len(self.fed)
         return drafts
 
-    def _step(self, tok: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def top(self, m: int) -> tuple[list[list[int]], list[list[float]]]:
+        """The m likeliest tokens and their log-probabilities at each step of the last `propose`. Where
+        the target rejects a draft, its own token is often the drafter's runner-up there: a branch worth
+        drafting on while the round is out (kit.node)."""
+        if self.logits is None:
+            return [], []
+        best, ids = self.logits.topk(min(m, self.logits.shape[-1]), -1)
+        return ids.tolist(), (best - self.logits.logsumexp(-1, keepdim=True)).tolist()
+
+    @contextlib.contextmanager
+    def aside(self, start: int, n: int):
+        """Draft off the main line inside this block (guessed branches): afterwards the cache slots
+        start..start+n-1 and the record of what the cache holds are back as before, so the main line's
+        next draft still feeds one or two tokens through the graph, not an eager catch-up pass."""
+        stage, fed = self.stage, list(self.fed)
+        end = min(start + n, stage.max_len)
+        saved = [(k[:, :, start:end].clone(), v[:, :, start:end].clone())
+                 for k, v in zip(stage.k_caches, stage.v_caches)]
+        try:
+            yield
+        finally:
+            for k, v, (k_saved, v_saved) in zip(stage.k_caches, stage.v_caches, saved):
+                k[:, :, start:end].copy_(k_saved)
+                v[:, :, start:end].copy_(v_saved)
+            self.fed, self.logits = fed, None
+            stage.length = len(fed)
+
+    def _step(self, tok: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         if self.kernels:
-            return fused_kernels.step(self.stage, tok, pos, slots.shape[0], self.vocab_limit)
-        logits = self.stage(tok, pos, pos, (slots <= pos)[None, :])[0, -1, : self.vocab_limit]
+            return fused_kernels.step(self.stage, tok, pos, slots.shape[0], self.vocab_limit, logits=logits)
+        logits.copy_(self.stage(tok, pos, pos, (slots <= pos)[None, :])[0, -1, : self.vocab_limit])
         return argmax(logits)
 
-    def _body(self, toks: torch.Tensor, start: torch.Tensor, out: torch.Tensor, k: int, S: int) -> None:
-        """Feed toks [c + 1] from position `start` (the first c only fill the cache), then draft k."""
+    def _body(self, toks: torch.Tensor, start: torch.Tensor, out: torch.Tensor, logits: torch.Tensor, k: int,
+              S: int) -> None:
+        """Feed toks [c + 1] from position `start` (the first c only fill the cache), then draft k (their
+        logits into logits [k, V])."""
         slots = torch.arange(S, device=self.stage.device)
         torch._dynamo.maybe_mark_dynamic(slots, 0)
         pos = start.clone()
         for i in range(toks.shape[0] - 1):
-            self._step_fn(toks[i : i + 1], pos, slots)
+            self._step_fn(toks[i : i + 1], pos, slots, logits[0])
             pos = pos + 1
         tok = toks[-1:]
         for i in range(k):
-            tok = self._step_fn(tok, pos, slots)
+            tok = self._step_fn(tok, pos, slots, logits[i])
             out[i : i + 1].copy_(tok)
             pos = pos + 1
 
@@ -120,7 +152,9 @@ class ModelDrafter:
         dev, c = self.stage.device, len(feed) - 1
         if not self.graphs:
             out = torch.empty(k, dtype=torch.long, device=dev)
-            self._body(torch.tensor(feed, device=dev), torch.tensor([start], device=dev), out, k, start + c + k)
+            self.logits = torch.empty(k, self.vocab_limit, device=dev)
+            self._body(torch.tensor(feed, device=dev), torch.tensor([start], device=dev), out, self.logits, k,
+                       start + c + k)
             self.clock.mark(1)
             return out.tolist()
         captured = self._captured[c]
@@ -138,7 +172,7 @@ class ModelDrafter:
                       "drafting with PyTorch ops", file=sys.stderr)
                 self.kernels = False
                 self._capture(c, *key)
-        graph, toks, start_t, out = captured[key]
+        graph, toks, start_t, out, self.logits = captured[key]
         toks.copy_(torch.tensor(feed), non_blocking=True)
         start_t.fill_(start)
         with torch.cuda.device(dev):  # the drafter may live on another GPU than the stage
@@ -151,11 +185,12 @@ class ModelDrafter:
         toks = torch.zeros(c + 1, dtype=torch.long, device=dev)
         start = torch.full((1,), stage.max_len - c - k, dtype=torch.long, device=dev)
         out = torch.zeros(k, dtype=torch.long, device=dev)
+        logits = torch.zeros(k, self.vocab_limit, device=dev)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         with scratch_tail(stage, c + k):
-            graph, _ = capture(lambda: self._body(toks, start, out, k, S), self._pool, dev)
-        self._captured[c][k, S] = (graph, toks, start, out)
+            graph, _ = capture(lambda: self._body(toks, start, out, logits, k, S), self._pool, dev)
+        self._captured[c][k, S] = (graph, toks, start, out, logits)
 
 
 def argmax(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:

@@ -254,9 +254,10 @@ if triton is not None:
         tl.store(x_ptr + n, x + tl.sum(acc, 1).to(x.dtype), mask=n < D)
 
     @triton.jit
-    def _head_kernel(x_ptr, nw_ptr, w_ptr, best_ptr, at_ptr, vocab, eps, D: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        # program: logits of rows n (rounded to the weights' dtype as F.linear does), their max and its index
+    def _head_kernel(x_ptr, nw_ptr, w_ptr, best_ptr, at_ptr, logits_ptr, vocab, eps, D: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KEEP: tl.constexpr, PDL: tl.constexpr):
+        # program: logits of rows n (rounded to the weights' dtype as F.linear does), their max and its index;
+        # with KEEP the logits themselves too
         _let_next_start(PDL)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_K)
@@ -270,6 +271,8 @@ if triton is not None:
             w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=(n < vocab)[:, None] & (k < D)[None, :], other=0.0)
             acc += w.to(tl.float32) * h
         logits = tl.where(n < vocab, tl.sum(acc, 1).to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
+        if KEEP:
+            tl.store(logits_ptr + n, logits, mask=n < vocab)
         best = tl.argmax(logits, 0, tie_break_left=True)
         tl.store(best_ptr + tl.program_id(0), tl.max(logits, 0))
         tl.store(at_ptr + tl.program_id(0), tl.program_id(0) * BLOCK_N + best)
@@ -349,23 +352,24 @@ def down(stage: Stage, i: int, x: torch.Tensor, s: Scratch, tiles: dict) -> None
         BLOCK_K=min(tiles["down_cols"], _pow2(F)), num_warps=tiles["down_warps"], **_pdl(x, tiles))
 
 
-def head(stage: Stage, x: torch.Tensor, vocab: int, tiles: dict) -> torch.Tensor:
-    """Greedy token [1] among ids < vocab."""
+def head(stage: Stage, x: torch.Tensor, vocab: int, tiles: dict, logits: torch.Tensor | None = None) -> torch.Tensor:
+    """Greedy token [1] among ids < vocab; the logits (fp32) also into `logits` [vocab] if given."""
     n_blocks = triton.cdiv(vocab, tiles["head_rows"])
     best = torch.empty(n_blocks, dtype=torch.float32, device=x.device)
     at = torch.empty(n_blocks, dtype=torch.int64, device=x.device)
     D = stage.cfg.hidden_size
-    _head_kernel[(n_blocks,)](x, stage.norm.weight, stage.lm_head.weight, best, at, vocab, stage.norm.eps, D=D,
-                              BLOCK_N=tiles["head_rows"], BLOCK_K=min(1024, _pow2(D)), num_warps=tiles["head_warps"],
-                              **_pdl(x, tiles))
+    _head_kernel[(n_blocks,)](x, stage.norm.weight, stage.lm_head.weight, best, at, best if logits is None else logits,
+                              vocab, stage.norm.eps, D=D, BLOCK_N=tiles["head_rows"], BLOCK_K=min(1024, _pow2(D)),
+                              KEEP=logits is not None, num_warps=tiles["head_warps"], **_pdl(x, tiles))
     return at[best.argmax(0, keepdim=True)]
 
 
 def step(stage: Stage, tok: torch.Tensor, pos: torch.Tensor, span: int, vocab: int,
-         tiles: dict = TILES) -> torch.Tensor:
+         tiles: dict = TILES, logits: torch.Tensor | None = None) -> torch.Tensor:
     """Greedy next token [1] after `tok` [1] at position `pos` [1] (a device tensor, so a CUDA graph can
     replay this for any position), attending over the first `span` cache slots; only ids < vocab count.
-    Writes the token's K/V at slot `pos`. Needs `available(stage)`."""
+    Writes the token's K/V at slot `pos`, and its logits into `logits` [vocab] if given. Needs
+    `available(stage)`."""
     s = Scratch(stage, span, tiles)
     x = stage.embed_tokens.weight.index_select(0, tok).view(-1)  # the residual stream, updated in place
     for i in range(len(stage.layers)):
@@ -373,4 +377,4 @@ def step(stage: Stage, tok: torch.Tensor, pos: torch.Tensor, span: int, vocab: i
         attend(stage, i, x, pos, span, s, tiles)
         gate_up(stage, i, x, s, tiles)
         down(stage, i, x, s, tiles)
-    return head(stage, x, vocab, tiles)
+    return head(stage, x, vocab, tiles, logits)

@@ -170,6 +170,7 @@ def node_args(args) -> list[str]:
 
 def stage0_args(args) -> list[str]:
     out = ["--max-new-tokens", str(args.max_new_tokens), "--k", str(args.k), "--depth", str(args.depth),
+           "--branches", str(args.branches),
            "--temperature", str(args.temperature), "--top-p", str(args.top_p), "--top-k", str(args.top_k),
            "--seed", str(args.seed), "--ready-timeout", str(args.ready_timeout)]
     for p in args.prompt or []:

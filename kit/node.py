@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
@@ -41,6 +42,7 @@ from relay.protocol import (Frame, FrameType, decode_control, decode_error, deco
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 PREFILL_CHUNK = 128
+TOP = 3  # overlap: the drafter's likeliest tokens kept per draft, its top and two runner-ups
 
 
 class StageTimeout(RuntimeError):
@@ -195,7 +197,10 @@ class Flight:
     send_ms: float  # stage 0's output packed and handed to the socket
     payload: bytes
     predrafted: bool  # its drafts were made while the round before it was on the wire (overlap)
-    spec: list[int] | None = None  # overlap: the drafter's guess [next, e1..eK] if this round is fully accepted
+    sent: float = 0.0  # perf_counter once it was handed to the socket
+    top: tuple = ([], [])  # the drafter's likeliest tokens and log-probabilities at each draft (ModelDrafter.top)
+    guess: int | None = None  # the drafter's guess of the token after the drafts if all are accepted
+    branches: int = 0  # runner-up branches drafted while it was out
 
     @property
     def start(self) -> int:
@@ -213,6 +218,7 @@ class RunOptions:
     adaptive: bool = False
     depth: int = 1  # rounds in flight
     overlap: bool = True
+    branches: int = 8  # overlap: runner-up branches drafted at most while a round is out
     sampling: Sampling = field(default_factory=Sampling)
     resend_after_s: float = 3.0
     stage_timeout_s: float = 60.0
@@ -236,7 +242,10 @@ class Driver:
         self.gen = time.time_ns() // 1_000_000  # grows across restarts of node 0, so stages follow a new one
         self.rid = 0
         self.last_reconnects = client.reconnects
-        self.pending_spec: tuple[list[int], list[int]] | None = None
+        # overlap: drafts made while a round was out, by the context they continue -> (drafts, their top)
+        self.predrafts: dict[tuple[int, ...], tuple[list[int], tuple]] = {}
+        self.trips: collections.deque[float] = collections.deque(maxlen=16)  # send -> verdict, ms
+        self.branch_ms: collections.deque[float] = collections.deque(maxlen=16)  # one predraft's wall time
         self.partial: list[int] = []
         self.prompt_index = -1
 
@@ -316,6 +325,8 @@ class Driver:
                     if not flights:
                         reason = "length"
                         break
+                    if opts.overlap and opts.depth == 1 and opts.branches:
+                        self.draft_branches(flights[0], opts)
                     ids, vmeta = self.wait_verdict(flights, opts, progress_at)
                 except Replay:
                     replays += 1
@@ -339,8 +350,6 @@ class Driver:
                 full = accepted == len(f.drafts) and reason is None
                 if flights and not (full and flights[0].base[-1] == ids[-1]):
                     flights.clear()  # built on a guess that failed; the last stage discards them too
-                if full and f.spec and f.spec[0] == ids[-1] and not flights:
-                    self.pending_spec = (list(context), f.spec[1:])
                 done = (f, vmeta, new, now, t0, out)
                 if len(context) >= self.stage.max_len and reason is None:
                     reason = "length"
@@ -360,7 +369,7 @@ class Driver:
         """Send context[:-1] down the ring in chunks (stage 1 computes a chunk while the next is on the
         wire); the final chunk sets the last stage's frontier and sampling."""
         self.gen += 1
-        self.pending_spec = None
+        self.predrafts = {}
         ids = context[:-1]
         dev = self.stage.device
         starts = list(range(0, len(ids), PREFILL_CHUNK)) or [0]
@@ -385,12 +394,13 @@ class Driver:
                 return
             want = adaptive.choose() if adaptive else opts.k
             t0 = time.perf_counter()
-            predrafted, gpu_ms = False, None
+            predrafted, gpu_ms, top = False, None, None
             if not flights:
                 base = list(context)
-                predrafted = bool(self.pending_spec and self.pending_spec[0] == base)
+                hit = self.predrafts.get(tuple(base))
+                predrafted = hit is not None
                 if predrafted:
-                    drafts = self.pending_spec[1]  # drafted while the previous round was on the wire
+                    drafts, top = hit  # drafted while the previous round was on the wire
                     clock = getattr(self.drafter, "clock", None)
                     gpu_ms = 0.0 if clock and clock.on else None  # no device work in this round
                 else:
@@ -403,15 +413,15 @@ class Driver:
                     return  # nothing to guess the next token with: wait for the verdict
                 base, drafts = prev.assumed + props[:1], props[1:]
                 gpu_ms = draft_device_ms(self.drafter)
-            self.pending_spec = None
+            self.predrafts = {}
             drafts = drafts[: self.clamp(want, base, room)]
-            self.send_round(flights, base, drafts, t0, gpu_ms, opts, predrafted)
+            self.send_round(flights, base, drafts, t0, gpu_ms, opts, predrafted, top)
 
     def clamp(self, want: int, base: list[int], room: int) -> int:
         return max(0, min(want, room - 1, self.stage.max_len - len(base)))
 
     def send_round(self, flights, base, drafts, began: float, draft_gpu_ms: float | None, opts: RunOptions,
-                   predrafted: bool) -> None:
+                   predrafted: bool, top: tuple | None = None) -> None:
         self.rid += 1
         tokens = [base[-1], *drafts]
         t0 = time.perf_counter()
@@ -422,12 +432,49 @@ class Driver:
                 "stage_ms": [(t1 - t0) * 1000], "stage_gpu_ms": [self.runner.clock.ms()]}
         payload = to_payload(h, meta)
         self.client.send(1, FrameType.TENSOR, payload, round_id=self.rid)
+        sent = time.perf_counter()
         f = Flight(self.rid, base, drafts, began, (t0 - began) * 1000, draft_gpu_ms, (t1 - t0) * 1000,
-                   (time.perf_counter() - t1) * 1000, payload, predrafted)
+                   (sent - t1) * 1000, payload, predrafted, sent)
         flights.append(f)
         if opts.overlap and opts.depth == 1:
+            branching = opts.branches and hasattr(self.drafter, "top")
+            if branching:
+                f.top = top if top is not None else self.drafter.top(TOP)
             # draft the next round while this one is on the wire, assuming it is fully accepted
-            f.spec = self.drafter.propose(f.assumed, self.clamp(opts.k, f.assumed, 1 << 30) + 1) or None
+            spec = self.drafter.propose(f.assumed, self.clamp(opts.k, f.assumed, 1 << 30) + 1)
+            if spec:
+                f.guess = spec[0]
+                spec_top = self.drafter.top(TOP) if branching else ([], [])
+                self.predrafts[tuple(f.assumed + spec[:1])] = (spec[1:], (spec_top[0][1:], spec_top[1][1:]))
+                # where a full acceptance's next token is not the drafter's guess, its runner-up may be
+                f.top = (f.top[0][: len(drafts)] + spec_top[0][:1], f.top[1][: len(drafts)] + spec_top[1][:1])
+                if not self.branch_ms:  # the first estimate of what a branch costs (later: the branches' own)
+                    self.branch_ms.append((time.perf_counter() - sent) * 1000)
+
+    def draft_branches(self, f: Flight, opts: RunOptions) -> None:
+        """While round f is out, draft the next round after the likeliest rejections: draft i rejected
+        and the target's token there one of the drafter's runner-ups, ranked by the drafter's own
+        probabilities. Only as many as fit before the verdict is due (the quickest recent round trip),
+        and none once a frame is waiting: a miss costs the round nothing, a hit saves its drafting."""
+        if not self.trips or not self.branch_ms or f.guess is None:
+            return
+        due = f.sent + (min(self.trips) - 2 * max(self.branch_ms)) / 1000
+        fit = int((due - time.perf_counter()) * 1000 / max(self.branch_ms))
+        chosen = rank_branches(f.drafts + [f.guess], f.top, min(fit, opts.branches))
+        if not chosen:
+            return
+        n = len(f.drafts) + 1
+        with self.drafter.aside(f.start + 1, 2 * n + 1):
+            for a, t in sorted(chosen, key=lambda c: -c[0]):  # deepest first: each feeds the drafter one token
+                if self.client.pending() or time.perf_counter() > due:
+                    break
+                t0 = time.perf_counter()
+                ctx = f.assumed[: len(f.base) + a] + [t]
+                drafts = self.drafter.propose(ctx, self.clamp(opts.k, ctx, 1 << 30))
+                if drafts:
+                    self.predrafts[tuple(ctx)] = (drafts, self.drafter.top(TOP))
+                    f.branches += 1
+                self.branch_ms.append((time.perf_counter() - t0) * 1000)
 
     def resend(self, flights) -> None:
         for f in flights:
@@ -454,7 +501,9 @@ class Driver:
             if f.type == FrameType.TOKENS:
                 ids, vmeta = decode_tokens(f.payload)
                 if vmeta.get("gen") == self.gen and vmeta.get("rid") == head.rid and not vmeta.get("discarded"):
-                    vmeta["wake_ms"] = (time.perf_counter() - f.received) * 1000 if f.received else 0.0
+                    now = time.perf_counter()
+                    vmeta["wake_ms"] = (now - f.received) * 1000 if f.received else 0.0
+                    self.trips.append(((f.received or now) - head.sent) * 1000)
                     return ids, vmeta
             elif f.type == FrameType.CONTROL:
                 msg = decode_control(f.payload)
@@ -479,7 +528,8 @@ class Driver:
         round_ms = (now - f.began) * 1000
         stage_ms = vmeta.get("stage_ms", [])
         row = {"round": f.rid, "prompt": self.prompt_index, "t": round(now - t0, 6), "k": len(f.drafts), "accepted": vmeta["accepted"],
-               "committed": len(new), "draft_ms": f.draft_ms, "predrafted": f.predrafted, "stage_ms": stage_ms,
+               "committed": len(new), "draft_ms": f.draft_ms, "predrafted": f.predrafted,
+               "branches": f.branches, "stage_ms": stage_ms,
                "draft_gpu_ms": f.draft_gpu_ms, "stage_gpu_ms": vmeta.get("stage_gpu_ms", []),
                "network_ms": max(0.0, round_ms - f.draft_ms - sum(stage_ms)), "round_ms": round_ms,
                "send_ms": f.send_ms, "host_ms": vmeta.get("host_ms", []), "wake_ms": vmeta.get("wake_ms", 0.0),
@@ -488,6 +538,20 @@ class Driver:
             self.metrics.round(row)
         if self.progress:
             self.progress.update(row)
+
+
+def rank_branches(path: list[int], top: tuple, n: int) -> list[tuple[int, int]]:
+    """The n likeliest (a, t) by the drafter's own probabilities: drafts path[:a] accepted, then the target's
+    token t (one of the drafter's runner-ups at path[a]) instead of path[a]. `path` is a round's drafts and
+    the drafter's guess of the token after them; top[0][i], top[1][i] its likeliest tokens and their
+    log-probabilities at path[i] (ModelDrafter.top)."""
+    cands, reach = [], 0.0  # reach: the drafter's log-probability that path[:a] is all accepted
+    for a, (ids, lps) in enumerate(zip(*top)):
+        if a >= len(path):
+            break
+        cands += [(reach + lp, a, t) for t, lp in zip(ids, lps) if t != path[a]]
+        reach += dict(zip(ids, lps)).get(path[a], -math.inf)
+    return [(a, t) for _, a, t in sorted(cands, reverse=True)[: max(0, n)]]
 
 
 # -- the `kit node` command ---------------------------------------------------------------------------------
@@ -682,8 +746,8 @@ def drive(args, client, stage, folder, cfg, dtype, draft_device, graphs) -> int:
     driver = Driver(client, stage, drafter, graphs=graphs, metrics=metrics, progress=progress,
                     on_tokens=streamer.update if streamer else None)
     sampling = Sampling(args.temperature, args.top_p, args.top_k, args.seed)
-    opts = RunOptions(args.max_new_tokens, args.k, args.adaptive_k, args.depth, not args.no_overlap, sampling,
-                      stage_timeout_s=args.stage_timeout)
+    opts = RunOptions(args.max_new_tokens, args.k, args.adaptive_k, args.depth, not args.no_overlap,
+                      max(0, args.branches), sampling, stage_timeout_s=args.stage_timeout)
     eos = eos_ids(folder, cfg, tokenizer)
     stop = stop_rule(tokenizer, args.stop or [])
     code = 0

@@ -66,6 +66,28 @@ def test_e2e_bench_planted_acceptance_and_identical_output(tmp_path):
     assert {"command", "hardware", "versions", "floors"} <= set(d)
 
 
+
+@pytest.mark.timeout(600)
+def test_e2e_runner_up_branches_hide_drafting_where_the_full_guess_fails(tmp_path):
+    """Planted: where the drafter's top token is wrong, the target's is its second. With runner-up
+    branches drafted while a round is out, most rounds find their drafts ready; with only the
+    full-acceptance guess few do; the answers are the same."""
+    out = tmp_path / "e2e.json"
+    p = kit("bench", "e2e", "--shape", "tiny", "--configs", "spec,no-branches", "--rtt-ms", "60", "--k", "4",
+            "--acceptance", "0.7", "--runner-up", "1", "--max-new-tokens", "40", "--work", str(tmp_path / "w"),
+            "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert d["identical_outputs"] and d["acceptance"] == "planted 0.7, runner-up 1.0"
+    spec, full_only = d["configs"]["spec"]["steady"], d["configs"]["no-branches"]["steady"]
+    assert spec["branches_per_round"] > 1 and full_only["branches_per_round"] == 0
+    assert all(r["branches"] == 0 for r in d["configs"]["no-branches"]["rounds"])
+    # 0.7^5 = 17% of rounds are fully accepted at K = 4; the branches cover the other rejections
+    assert full_only["predrafted"]["rounds"] <= 0.4 * full_only["rounds"]
+    assert spec["predrafted"]["rounds"] >= 0.5 * spec["rounds"]
+    assert spec["predrafted"]["draft_ms_p50"] < spec["drafted"]["draft_ms_p50"] / 2
+
+
 def test_runner_up_rates_are_measured_against_the_targets_answer(tmp_path):
     """bench/acceptance.py's teacher-forced rates: a drafter that is the target itself agrees on every
     answer token; one that is not disagrees somewhere and its runner-up rate is a share."""
