@@ -160,6 +160,11 @@ def copy_bandwidth(device: str) -> float:
     return 2 * x.numel() * 2 / statistics.median(times)
 
 
+def n_layers(target: str) -> int:
+    from kit.load import load_config
+    return load_config(target).n_layers
+
+
 def read_bytes(cfg: ModelConfig, start: int, end: int, last: bool, nf4: bool = False) -> int:
     """Weights one forward pass must read: its layers, plus the head on the last stage (the embedding is
     a gather of a few rows)."""
@@ -182,6 +187,7 @@ def run_config(name: str, target: str, draft: str, devices: list[str], prompt_ar
     with tempfile.TemporaryDirectory(prefix=f"e2e-{name}-") as tmp:
         metrics = Path(a.metrics_out) / name if a.metrics_out else Path(tmp) / "m"
         common = ["--target", target, "--max-len", str(a.max_len), "--stage-timeout", "120"]
+        layers = [["--layers", f"0:{a.split}"], ["--layers", f"{a.split}:{n_layers(target)}"]] if a.split else [[], []]
         if devices[0] != "cpu":
             common += ["--dtype", "float16"]
         if nf4:
@@ -189,9 +195,9 @@ def run_config(name: str, target: str, draft: str, devices: list[str], prompt_ar
         t0 = time.time()
         metrics.mkdir(parents=True, exist_ok=True)
         with LocalCluster(2, tmp, rtt_ms=a.rtt_ms, log_dir=metrics, wan_spin=a.wan_spin) as cluster:
-            cluster.start_stage(1, common + ["--device", devices[-1]])
+            cluster.start_stage(1, common + layers[1] + ["--device", devices[-1]])
             node0 = cluster.start_stage(
-                0, common + ["--device", devices[0], "--draft", draft, "--k", str(k), "--depth", str(depth),
+                0, common + layers[0] + ["--device", devices[0], "--draft", draft, "--k", str(k), "--depth", str(depth),
                              "--branches", str(branches),
                              "--max-new-tokens", str(a.max_new_tokens), "--json", "--quiet",
                              "--metrics-dir", str(metrics), *prompt_args] + ([] if overlap else ["--no-overlap"]),
@@ -293,6 +299,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--branches", type=int, default=8,
                    help="runner-up branches drafted at most while a round is out (kit node --branches; the "
                         "no-branches configuration sets 0) (default: 8)")
+    p.add_argument("--split", type=int, default=0,
+                   help="layers of stage 0 (the rest on stage 1; default: half each): a self:L drafter needs L")
     p.add_argument("--rtt-ms", type=float, default=86.0, help="emulated ring round trip (default: 86)")
     p.add_argument("--acceptance", type=float, default=0.78,
                    help="planted per-token acceptance of the random-weight drafter; 0.78 gives 4.07 tokens per "
@@ -360,7 +368,7 @@ def main(argv: list[str]) -> int:
         floors["nf4_14b_stage1_ms"] = (estimate_weights(c14, h14, c14.n_layers, False, False, 2, True)
                                        + c14.vocab_size * c14.hidden_size * 2) / bw[-1] * 1000
     out = {"command": "python -m kit bench e2e " + " ".join(argv), "shape": shape, "acceptance": acceptance,
-           "rtt_ms": a.rtt_ms, "wan_spin": a.wan_spin, "k": a.k, "max_new_tokens": a.max_new_tokens,
+           "rtt_ms": a.rtt_ms, "wan_spin": a.wan_spin, "k": a.k, "split": a.split or "half", "max_new_tokens": a.max_new_tokens,
            "kit_compile": os.environ.get("KIT_COMPILE", "0"),
            "hardware": {"gpus": [torch.cuda.get_device_name(i) for i in range(n_gpu)], "cpu": platform.processor(),
                         "cpus": os.cpu_count(), "platform": platform.platform(), "stage_devices": devices},

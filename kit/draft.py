@@ -19,6 +19,9 @@ from kit.load import CheckpointError, load_config, load_stage, read_tensors, res
 from kit.model import Stage
 
 
+CATCH_UP = 16  # context tokens a draft graph feeds before drafting; longer gaps take one eager pass first
+
+
 class NoDrafter:
     """Plain decoding: one token per round."""
 
@@ -63,9 +66,9 @@ class ModelDrafter:
         self.compile = compile_mode(stage, compile) if self.graphs and not self.kernels else None
         self._step_fn = compiled(self._step, self.compile) if self.compile else self._step
         self.fed: list[int] = []
-        # per catch-up count c (0 or 1): (k, span) -> (graph, token buffer [c + 1], start, drafts, logits [k, V])
+        # per catch-up count c (0..CATCH_UP): (k, span) -> (graph, token buffer [c + 1], start, drafts, logits [k, V])
         self._captured: dict[int, dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor,
-                                                                torch.Tensor, torch.Tensor]]] = {0: {}, 1: {}}
+                                                                torch.Tensor, torch.Tensor]]] = {0: {}}
         self.logits: torch.Tensor | None = None  # [k, vocab_limit] of the last propose, until the next one
         self._pool = None
         self.clock = DeviceClock(stage.device)  # the last draft's device time: clock.ms(), None off CUDA
@@ -91,8 +94,10 @@ class ModelDrafter:
         stage.rewind(common)
         feed = context[common:]  # tokens the cache lacks; the last one starts the loop
         self.clock.mark(0)
-        if len(feed) > 2:  # a prompt or a replay: one eager pass; one catch-up token (after a fully
-            stage.step(torch.tensor(feed[:-2], device=stage.device))  # accepted round) rides in the graph
+        if len(feed) > (CATCH_UP if self.graphs else 1) + 1:  # a prompt or a replay: one eager pass. A few
+            # catch-up tokens (the last draft after a fully accepted round; a round drafted on a runner-up
+            # branch and its correction) ride in the graph, a step each
+            stage.step(torch.tensor(feed[:-2], device=stage.device))
             common, feed = len(context) - 2, feed[-2:]
         drafts = self._loop(feed, common, k)
         self.fed = context + drafts[:-1]
@@ -157,7 +162,7 @@ class ModelDrafter:
                        start + c + k)
             self.clock.mark(1)
             return out.tolist()
-        captured = self._captured[c]
+        captured = self._captured.setdefault(c, {})
         # exactly k steps: a longer loop would serve too, but every extra step costs the round a drafter
         # step (the 9-step pre-draft once served the 8-step drafts after a verdict); capturing is cheap,
         # the step's kernels (or compiled code) do not depend on k

@@ -2,8 +2,10 @@
 
 Files in a metrics folder (read by notebooks/results.ipynb):
   rounds.jsonl   one object per round: round, prompt (index), t (s since that prompt began), k, accepted,
-                 committed, draft_ms, predrafted (drafts made while the round before was on the wire, so
-                 draft_ms is only taking them), stage_ms [per stage], draft_gpu_ms and stage_gpu_ms [per stage]
+                 committed, draft_ms, predrafted (drafts made while the round before was on the wire, on the
+                 full-acceptance guess or a runner-up branch, so draft_ms is only taking them), branches
+                 (runner-up branches drafted while this round was out), ahead_ms (node 0's time drafting
+                 ahead while it was out), stage_ms [per stage], draft_gpu_ms and stage_gpu_ms [per stage]
                  (the device's own time for them from CUDA events, without the host's share; null off CUDA),
                  network_ms (round - draft - stages), round_ms,
                  send_ms (stage 0 packs and sends), host_ms [per later stage: frame read -> compute],

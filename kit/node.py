@@ -201,6 +201,7 @@ class Flight:
     top: tuple = ([], [])  # the drafter's likeliest tokens and log-probabilities at each draft (ModelDrafter.top)
     guess: int | None = None  # the drafter's guess of the token after the drafts if all are accepted
     branches: int = 0  # runner-up branches drafted while it was out
+    ahead_ms: float = 0.0  # node 0's wall time drafting ahead (guess and branches) while it was out
 
     @property
     def start(self) -> int:
@@ -245,7 +246,9 @@ class Driver:
         # overlap: drafts made while a round was out, by the context they continue -> (drafts, their top)
         self.predrafts: dict[tuple[int, ...], tuple[list[int], tuple]] = {}
         self.trips: collections.deque[float] = collections.deque(maxlen=16)  # send -> verdict, ms
-        self.branch_ms: collections.deque[float] = collections.deque(maxlen=16)  # one predraft's wall time
+        # wall time of recent predrafts (full-acceptance guesses and branches): a median ignores the rare
+        # one that captured a graph
+        self.predraft_ms: collections.deque[float] = collections.deque(maxlen=9)
         self.partial: list[int] = []
         self.prompt_index = -1
 
@@ -448,22 +451,23 @@ class Driver:
                 self.predrafts[tuple(f.assumed + spec[:1])] = (spec[1:], (spec_top[0][1:], spec_top[1][1:]))
                 # where a full acceptance's next token is not the drafter's guess, its runner-up may be
                 f.top = (f.top[0][: len(drafts)] + spec_top[0][:1], f.top[1][: len(drafts)] + spec_top[1][:1])
-                if not self.branch_ms:  # the first estimate of what a branch costs (later: the branches' own)
-                    self.branch_ms.append((time.perf_counter() - sent) * 1000)
+                self.predraft_ms.append((time.perf_counter() - sent) * 1000)
+            f.ahead_ms = (time.perf_counter() - sent) * 1000
 
     def draft_branches(self, f: Flight, opts: RunOptions) -> None:
         """While round f is out, draft the next round after the likeliest rejections: draft i rejected
         and the target's token there one of the drafter's runner-ups, ranked by the drafter's own
         probabilities. Only as many as fit before the verdict is due (the quickest recent round trip),
         and none once a frame is waiting: a miss costs the round nothing, a hit saves its drafting."""
-        if not self.trips or not self.branch_ms or f.guess is None:
+        if not self.trips or not self.predraft_ms or f.guess is None:
             return
-        due = f.sent + (min(self.trips) - 2 * max(self.branch_ms)) / 1000
-        fit = int((due - time.perf_counter()) * 1000 / max(self.branch_ms))
+        cost = statistics.median(self.predraft_ms)
+        due = f.sent + (min(self.trips) - 2 * cost) / 1000  # the last branch ends a cost before the verdict
+        fit = int((due - time.perf_counter()) * 1000 / cost)
         chosen = rank_branches(f.drafts + [f.guess], f.top, min(fit, opts.branches))
         if not chosen:
             return
-        n = len(f.drafts) + 1
+        n, began = len(f.drafts) + 1, time.perf_counter()
         with self.drafter.aside(f.start + 1, 2 * n + 1):
             for a, t in sorted(chosen, key=lambda c: -c[0]):  # deepest first: each feeds the drafter one token
                 if self.client.pending() or time.perf_counter() > due:
@@ -474,7 +478,8 @@ class Driver:
                 if drafts:
                     self.predrafts[tuple(ctx)] = (drafts, self.drafter.top(TOP))
                     f.branches += 1
-                self.branch_ms.append((time.perf_counter() - t0) * 1000)
+                self.predraft_ms.append((time.perf_counter() - t0) * 1000)
+        f.ahead_ms += (time.perf_counter() - began) * 1000
 
     def resend(self, flights) -> None:
         for f in flights:
@@ -529,7 +534,7 @@ class Driver:
         stage_ms = vmeta.get("stage_ms", [])
         row = {"round": f.rid, "prompt": self.prompt_index, "t": round(now - t0, 6), "k": len(f.drafts), "accepted": vmeta["accepted"],
                "committed": len(new), "draft_ms": f.draft_ms, "predrafted": f.predrafted,
-               "branches": f.branches, "stage_ms": stage_ms,
+               "branches": f.branches, "ahead_ms": f.ahead_ms, "stage_ms": stage_ms,
                "draft_gpu_ms": f.draft_gpu_ms, "stage_gpu_ms": vmeta.get("stage_gpu_ms", []),
                "network_ms": max(0.0, round_ms - f.draft_ms - sum(stage_ms)), "round_ms": round_ms,
                "send_ms": f.send_ms, "host_ms": vmeta.get("host_ms", []), "wake_ms": vmeta.get("wake_ms", 0.0),
