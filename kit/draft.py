@@ -18,7 +18,6 @@ from kit.graphs import DeviceClock, capture, compile_mode, compiled, scratch_tai
 from kit.load import CheckpointError, load_config, load_stage, read_tensors, resolve
 from kit.model import Stage
 
-
 CATCH_UP = 16  # context tokens a draft graph feeds before drafting; longer gaps take one eager pass first
 
 
