@@ -124,3 +124,28 @@ def test_device_clocks_time_the_work_they_wrap(tiny):
     assert 0 < drafter.clock.ms() <= draft_wall
     drafter.propose(PROMPT, 0)
     assert drafter.clock.ms() is None  # an empty draft does not report the one before it
+
+
+def test_branches_through_the_graphs_equal_eager(tiny):
+    """Overlap's runner-up branches on the graph path: each step's top tokens come from the logits the
+    graph keeps, branches drafted aside leave the main line as it was, and the round after a branch hit
+    (its correction and K drafts fed as catch-up inside the graph) drafts what an eager drafter drafts."""
+    eager, graphed = (ModelDrafter(load_stage(tiny, 0, 4, layer_devices=["cuda:0"] * 4, max_len=MAX_LEN,
+                                              progress=False), vocab_limit=256, graphs=g) for g in (False, True))
+    runs = []
+    for d in (eager, graphed):
+        context, seen = list(PROMPT), []
+        for _ in range(3):
+            drafts = d.propose(context, 4)
+            ids, _ = d.top(3)
+            guess = d.propose(context + drafts, 5)
+            seen += [drafts, [row[0] for row in ids], guess]
+            with d.aside(len(context), 11):
+                branch = context + drafts[:1] + [ids[1][1]]
+                branch_drafts = d.propose(branch, 4)
+            seen.append(branch_drafts)
+            churn("cuda:0")
+            context = branch + branch_drafts  # the branch hit and its drafts were all accepted
+        runs.append(seen)
+    assert runs[1] == runs[0]
+    assert all(runs[0][i] == runs[0][i + 1] for i in range(0, len(runs[0]), 4))  # drafts are the top tokens
