@@ -467,8 +467,10 @@ class Driver:
         chosen = rank_branches(f.drafts + [f.guess], f.top, min(fit, opts.branches))
         if not chosen:
             return
-        n, began = len(f.drafts) + 1, time.perf_counter()
-        with self.drafter.aside(f.start + 1, 2 * n + 1):
+        began = time.perf_counter()
+        # past the base the main line holds the drafts, the guess and its drafts (2K slots, with a spare few);
+        # every branch writes inside them
+        with self.drafter.aside(len(f.base), 2 * len(f.drafts) + 3):
             for a, t in sorted(chosen, key=lambda c: -c[0]):  # deepest first: each feeds the drafter one token
                 if self.client.pending() or time.perf_counter() > due:
                     break
