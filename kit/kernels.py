@@ -13,7 +13,8 @@ bench/NOTES.md, v5 and v6):
   5. down    the down projection, the residual added in place
 
 and the head is RMSNorm + logits (kept on request, for overlap's runner-up branches) + an argmax per block
-of rows. Every program of a projection reads the whole input vector (a few KB, from L2) and normalises it itself, so norms need no kernel of their own.
+of rows. Every program of a projection reads the whole input vector (a few KB, from L2) and normalises it
+itself, so norms need no kernel of their own.
 Rounding follows the PyTorch path (fp16 after each projection, norm and activation; fp32 inside), so
 drafts match the eager drafter's up to near-ties. On compute capability 9.0+ every kernel is launched with
 programmatic dependent launch and loads its weights while the previous kernel finishes (`_after_previous`).
