@@ -33,14 +33,14 @@ CANDIDATES = {
 
 
 def part_fn(stage, part: str, x, pos, S: int, tiles: dict, vocab: int):
-    s = kernels.Scratch(stage, S, tiles)
+    s = kernels.Scratch(stage, S, tiles, vocab)
     layers = range(len(stage.layers))
     return {
         "qkv": lambda: [kernels.qkv(stage, i, x, pos, s, tiles) for i in layers],
         "attend": lambda: [kernels.attend(stage, i, x, pos, S, s, tiles) for i in layers],
         "gate_up": lambda: [kernels.gate_up(stage, i, x, s, tiles) for i in layers],
         "down": lambda: [kernels.down(stage, i, x, s, tiles) for i in layers],
-        "head": lambda: kernels.head(stage, x, vocab, tiles),
+        "head": lambda: kernels.head(stage, x, s, tiles),
     }[part]
 
 

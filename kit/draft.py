@@ -131,8 +131,6 @@ class ModelDrafter:
             stage.length = len(fed)
 
     def _step(self, tok: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        if self.kernels:
-            return fused_kernels.step(self.stage, tok, pos, slots.shape[0], self.vocab_limit, logits=logits)
         logits.copy_(self.stage(tok, pos, pos, (slots <= pos)[None, :])[0, -1, : self.vocab_limit])
         return argmax(logits)
 
@@ -140,6 +138,9 @@ class ModelDrafter:
               S: int) -> None:
         """Feed toks [c + 1] from position `start` (the first c only fill the cache), then draft k (their
         logits into logits [k, V])."""
+        if self.kernels:
+            fused_kernels.draft(self.stage, toks, start, out[:k], logits, S, self.vocab_limit)
+            return
         slots = torch.arange(S, device=self.stage.device)
         torch._dynamo.maybe_mark_dynamic(slots, 0)
         pos = start.clone()

@@ -3,8 +3,8 @@
 Why we own this (DESIGN decision 1, the hot path): a Qwen2.5-0.5B step reads 1 GB, 0.23 ms at an H200's
 4.2 TB/s, but written as PyTorch ops a layer is ~12 kernels even after torch.compile has fused what it
 can, and at one token each kernel is mostly launch and tail: 8.0 ms for an 8-token draft, 4.3x the
-floor. Here a layer is five kernels (4.6 ms for those 8 tokens on an H200, with dependent launch;
-bench/NOTES.md, v5 and v6):
+floor. Here a layer is five kernels (4.4 ms for those 8 tokens on an H200, with dependent launch;
+bench/NOTES.md, v5, v6 and v9):
 
   1. qkv     RMSNorm of x, the joined q/k/v rows, bias, q/k norm (Qwen3), rope; K and V go to the cache
   2. attend  a block of cache slots per program: scores, masked softmax statistics, P.V
@@ -13,7 +13,8 @@ bench/NOTES.md, v5 and v6):
   5. down    the down projection, the residual added in place
 
 and the head is RMSNorm + logits (kept on request, for overlap's runner-up branches) + an argmax per block
-of rows. Every program of a projection reads the whole input vector (a few KB, from L2) and normalises it
+of rows; one small kernel then picks the best block's token and copies its embedding row in as the next
+step's x, so a whole draft runs without a PyTorch op between steps. Every program of a projection reads the whole input vector (a few KB, from L2) and normalises it
 itself, so norms need no kernel of their own.
 Rounding follows the PyTorch path (fp16 after each projection, norm and activation; fp32 inside), so
 drafts match the eager drafter's up to near-ties. On compute capability 9.0+ every kernel is launched with
@@ -109,8 +110,8 @@ if triton is not None:
             acc_b += tl.load(w_ptr + rows_b[:, None] * D + k[None, :], mask=m, other=0.0).to(tl.float32) * h
         return tl.sum(acc_a, 1), tl.sum(acc_b, 1)
 
-    @triton.jit
-    def _qkv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr,
+    @triton.jit(do_not_specialize=["pos_add"])
+    def _qkv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, pos_add, q_ptr, kc_ptr,
                     vc_ptr, max_len, eps, qk_eps, D: tl.constexpr, E: tl.constexpr, H: tl.constexpr,
                     G: tl.constexpr, P: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                     QK_NORM: tl.constexpr, PDL: tl.constexpr):
@@ -127,7 +128,7 @@ if triton is not None:
             hi += tl.load(b_ptr + rows_hi).to(tl.float32)
         dt = x_ptr.dtype.element_ty
         lo, hi = lo.to(dt).to(tl.float32), hi.to(dt).to(tl.float32)
-        pos = tl.load(pos_ptr)
+        pos = tl.load(pos_ptr) + pos_add
         if head < H + G:  # q or k: norm (Qwen3) and rope
             if QK_NORM:  # P == E / 2 here: the program holds the whole head
                 r = tl.rsqrt((tl.sum(lo * lo, 0) + tl.sum(hi * hi, 0)) / E + qk_eps)
@@ -151,8 +152,8 @@ if triton is not None:
             tl.store(at + i, lo.to(dt))
             tl.store(at + HALF + i, hi.to(dt))
 
-    @triton.jit
-    def _attend_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, max_len, span, scale,
+    @triton.jit(do_not_specialize=["pos_add"])
+    def _attend_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, pos_add, acc_ptr, m_ptr, l_ptr, max_len, span, scale,
                        E: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, PER: tl.constexpr,
                        BLOCK: tl.constexpr, PDL: tl.constexpr):
         # program: kv head g, slots [s * PER, (s + 1) * PER); its R query heads are the rows of one matrix
@@ -162,7 +163,7 @@ if triton is not None:
         n_split = tl.num_programs(1)
         rows, e = tl.arange(0, RP), tl.arange(0, E)
         q = tl.load(q_ptr + (g * R + rows)[:, None] * E + e[None, :], mask=(rows < R)[:, None], other=0.0)
-        pos = tl.load(pos_ptr)
+        pos = tl.load(pos_ptr) + pos_add
         m = tl.full([RP], float("-inf"), dtype=tl.float32)
         l = tl.zeros([RP], dtype=tl.float32)
         acc = tl.zeros([RP, E], dtype=tl.float32)
@@ -278,6 +279,30 @@ if triton is not None:
         tl.store(best_ptr + tl.program_id(0), tl.max(logits, 0))
         tl.store(at_ptr + tl.program_id(0), tl.program_id(0) * BLOCK_N + best)
 
+    @triton.jit(do_not_specialize=["j"])
+    def _pick_kernel(best_ptr, at_ptr, n_blocks, tok_ptr, j, emb_ptr, x_ptr, D: tl.constexpr, BLOCK: tl.constexpr,
+                     BLOCK_D: tl.constexpr, FROM_HEAD: tl.constexpr, PDL: tl.constexpr):
+        # one program: with FROM_HEAD the best of the head's blocks (the first on ties, as torch.argmax) is
+        # the token, stored at tok[j]; else tok[j] is read. Either way its embedding row becomes x
+        _let_next_start(PDL)
+        _after_previous(PDL)
+        if FROM_HEAD:
+            b = tl.arange(0, BLOCK)
+            v = tl.load(best_ptr + b, mask=b < n_blocks, other=float("-inf"))
+            top, where = tl.max(v, 0), tl.argmax(v, 0, tie_break_left=True)
+            for b0 in range(BLOCK, n_blocks, BLOCK):
+                v = tl.load(best_ptr + b0 + b, mask=b0 + b < n_blocks, other=float("-inf"))
+                m = tl.max(v, 0)
+                better = m > top
+                where = tl.where(better, b0 + tl.argmax(v, 0, tie_break_left=True), where)
+                top = tl.where(better, m, top)
+            tok = tl.load(at_ptr + where)
+            tl.store(tok_ptr + j, tok)
+        else:
+            tok = tl.load(tok_ptr + j)
+        d = tl.arange(0, BLOCK_D)
+        tl.store(x_ptr + d, tl.load(emb_ptr + tok * D + d, mask=d < D), mask=d < D)
+
 
 ROWS = 16  # query rows per kv head in the attention kernel, padded: tl.dot needs 16
 # Tile sizes per kernel, chosen with bench/kernel_tiles.py on an H200 for the Qwen2.5-0.5B shape.
@@ -293,21 +318,25 @@ def _pdl(x: torch.Tensor, tiles: dict) -> dict:
 
 
 class Scratch:
-    """Buffers of one step (x, the residual stream, is the caller's): q, the attention blocks' partial
-    results (ROWS query rows per kv head and block), the MLP activation."""
+    """Buffers of a draft: x (the residual stream), q, the attention blocks' partial results (ROWS query
+    rows per kv head and block), the MLP activation, the head's best logit and its id per block of rows."""
 
-    def __init__(self, stage: Stage, span: int, tiles: dict):
+    def __init__(self, stage: Stage, span: int, tiles: dict, vocab: int):
         cfg, dev, dt = stage.cfg, stage.device, stage.dtype
         self.n_split = triton.cdiv(span, tiles["attn_slots"])
+        self.x = torch.empty(cfg.hidden_size, dtype=dt, device=dev)
         self.q = torch.empty(cfg.n_heads * cfg.head_dim, dtype=dt, device=dev)
         self.m = torch.empty(cfg.n_kv_heads * self.n_split * ROWS, dtype=torch.float32, device=dev)
         self.l = torch.empty_like(self.m)
         self.acc = torch.empty(self.m.numel() * cfg.head_dim, dtype=torch.float32, device=dev)
         self.act = torch.empty(cfg.intermediate_size, dtype=dt, device=dev)
+        self.vocab, n_blocks = vocab, triton.cdiv(vocab, tiles["head_rows"])
+        self.best = torch.empty(n_blocks, dtype=torch.float32, device=dev)
+        self.at = torch.empty(n_blocks, dtype=torch.int64, device=dev)
 
 
-def qkv(stage: Stage, i: int, x: torch.Tensor, pos: torch.Tensor, s: Scratch, tiles: dict) -> None:
-    """Layer i's q into s.q, its K and V into the cache at slot `pos`."""
+def qkv(stage: Stage, i: int, x: torch.Tensor, pos: torch.Tensor, s: Scratch, tiles: dict, at: int = 0) -> None:
+    """Layer i's q into s.q, its K and V into the cache at slot `pos` + at."""
     cfg, layer = stage.cfg, stage.layers[i]
     attn, norm = layer.self_attn, layer.input_layernorm
     D, E, H, G = cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
@@ -316,17 +345,18 @@ def qkv(stage: Stage, i: int, x: torch.Tensor, pos: torch.Tensor, s: Scratch, ti
     qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm else (w, w)
     cos, sin = stage.rope[stage.device]
     _qkv_kernel[((H + 2 * G) * (E // 2 // P),)](
-        x, norm.weight, w, w if b is None else b, qn, kn, cos, sin, pos, s.q, stage.k_caches[i], stage.v_caches[i],
+        x, norm.weight, w, w if b is None else b, qn, kn, cos, sin, pos, at, s.q, stage.k_caches[i], stage.v_caches[i],
         stage.max_len, norm.eps, attn.q_norm.eps if cfg.qk_norm else 0.0, D=D, E=E, H=H, G=G, P=P,
         BLOCK_K=min(1024, _pow2(D)), HAS_BIAS=b is not None, QK_NORM=cfg.qk_norm, num_warps=tiles["qkv_warps"],
         **_pdl(x, tiles))
 
 
-def attend(stage: Stage, i: int, x: torch.Tensor, pos: torch.Tensor, span: int, s: Scratch, tiles: dict) -> None:
-    """Attention over the first `span` slots and the o projection, added to x."""
+def attend(stage: Stage, i: int, x: torch.Tensor, pos: torch.Tensor, span: int, s: Scratch, tiles: dict,
+           at: int = 0) -> None:
+    """Attention of the token at `pos` + at over the first `span` slots and the o projection, added to x."""
     cfg = stage.cfg
     D, E, H, G = cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-    _attend_kernel[(G, s.n_split)](s.q, stage.k_caches[i], stage.v_caches[i], pos, s.acc, s.m, s.l, stage.max_len,
+    _attend_kernel[(G, s.n_split)](s.q, stage.k_caches[i], stage.v_caches[i], pos, at, s.acc, s.m, s.l, stage.max_len,
                                    span, E ** -0.5, E=E, R=H // G, RP=ROWS, PER=tiles["attn_slots"],
                                    BLOCK=tiles["attn_block"], **_pdl(x, tiles))
     _o_kernel[(triton.cdiv(D, tiles["o_rows"]),)](s.acc, s.m, s.l, stage.layers[i].self_attn.o_proj.weight, x,
@@ -353,29 +383,41 @@ def down(stage: Stage, i: int, x: torch.Tensor, s: Scratch, tiles: dict) -> None
         BLOCK_K=min(tiles["down_cols"], _pow2(F)), num_warps=tiles["down_warps"], **_pdl(x, tiles))
 
 
-def head(stage: Stage, x: torch.Tensor, vocab: int, tiles: dict, logits: torch.Tensor | None = None) -> torch.Tensor:
-    """Greedy token [1] among ids < vocab; the logits (fp32) also into `logits` [vocab] if given."""
-    n_blocks = triton.cdiv(vocab, tiles["head_rows"])
-    best = torch.empty(n_blocks, dtype=torch.float32, device=x.device)
-    at = torch.empty(n_blocks, dtype=torch.int64, device=x.device)
+def head(stage: Stage, x: torch.Tensor, s: Scratch, tiles: dict, logits: torch.Tensor | None = None) -> None:
+    """Each block of rows' best logit and its id into s.best, s.at (ids < s.vocab); the logits (fp32) also
+    into `logits` [s.vocab] if given."""
     D = stage.cfg.hidden_size
-    _head_kernel[(n_blocks,)](x, stage.norm.weight, stage.lm_head.weight, best, at, best if logits is None else logits,
-                              vocab, stage.norm.eps, D=D, BLOCK_N=tiles["head_rows"], BLOCK_K=min(1024, _pow2(D)),
-                              KEEP=logits is not None, num_warps=tiles["head_warps"], **_pdl(x, tiles))
-    return at[best.argmax(0, keepdim=True)]
+    _head_kernel[(s.best.numel(),)](x, stage.norm.weight, stage.lm_head.weight, s.best, s.at,
+                                    s.best if logits is None else logits, s.vocab, stage.norm.eps, D=D,
+                                    BLOCK_N=tiles["head_rows"], BLOCK_K=min(1024, _pow2(D)), KEEP=logits is not None,
+                                    num_warps=tiles["head_warps"], **_pdl(x, tiles))
 
 
-def step(stage: Stage, tok: torch.Tensor, pos: torch.Tensor, span: int, vocab: int,
-         tiles: dict = TILES, logits: torch.Tensor | None = None) -> torch.Tensor:
-    """Greedy next token [1] after `tok` [1] at position `pos` [1] (a device tensor, so a CUDA graph can
-    replay this for any position), attending over the first `span` cache slots; only ids < vocab count.
-    Writes the token's K/V at slot `pos`, and its logits into `logits` [vocab] if given. Needs
-    `available(stage)`."""
-    s = Scratch(stage, span, tiles)
-    x = stage.embed_tokens.weight.index_select(0, tok).view(-1)  # the residual stream, updated in place
-    for i in range(len(stage.layers)):
-        qkv(stage, i, x, pos, s, tiles)
-        attend(stage, i, x, pos, span, s, tiles)
-        gate_up(stage, i, x, s, tiles)
-        down(stage, i, x, s, tiles)
-    return head(stage, x, vocab, tiles, logits)
+def pick(stage: Stage, s: Scratch, toks: torch.Tensor, j: int, tiles: dict, from_head: bool) -> None:
+    """toks[j] = the head's greedy token if `from_head`; then s.x = the embedding row of toks[j]."""
+    D = stage.cfg.hidden_size
+    _pick_kernel[(1,)](s.best, s.at, s.best.numel(), toks, j, stage.embed_tokens.weight, s.x, D=D,
+                       BLOCK=min(4096, _pow2(s.best.numel())), BLOCK_D=_pow2(D), FROM_HEAD=from_head, num_warps=8,
+                       **_pdl(s.x, tiles))
+
+
+def draft(stage: Stage, toks: torch.Tensor, start: torch.Tensor, out: torch.Tensor, logits: torch.Tensor | None,
+          span: int, vocab: int, tiles: dict = TILES) -> None:
+    """Feed toks [c + 1] from cache slot `start` [1] (the first c only fill the cache: no head), then draft
+    out.numel() greedy tokens into `out` (ids < vocab; their logits into logits [k, vocab] if given),
+    attending over the first `span` slots. All positions are read on the device, so a CUDA graph of this
+    replays for any start; between steps the token never leaves the GPU. Needs `available(stage)`."""
+    s = Scratch(stage, span, tiles, vocab)
+    c, k = toks.numel() - 1, out.numel()
+    pick(stage, s, toks, 0, tiles, from_head=False)
+    for t in range(c + k):
+        for i in range(len(stage.layers)):
+            qkv(stage, i, s.x, start, s, tiles, at=t)
+            attend(stage, i, s.x, start, span, s, tiles, at=t)
+            gate_up(stage, i, s.x, s, tiles)
+            down(stage, i, s.x, s, tiles)
+        if t < c:
+            pick(stage, s, toks, t + 1, tiles, from_head=False)
+        else:
+            head(stage, s.x, s, tiles, None if logits is None else logits[t - c])
+            pick(stage, s, out, t - c, tiles, from_head=True)
