@@ -25,7 +25,7 @@ from kit.model import ModelConfig  # noqa: E402
 
 CANDIDATES = {
     "qkv": {"qkv_pairs": [4, 8, 16], "qkv_warps": [2, 4]},
-    "attend": {"attn_slots": [64, 128, 256], "attn_block": [32, 64], "o_rows": [4, 8, 16], "o_splits": [2, 4, 8]},
+    "attend": {"attn_slots": [64, 128, 256], "attn_block": [32, 64], "o_rows": [4, 8, 16]},
     "gate_up": {"gate_up_rows": [2, 4, 8, 16], "gate_up_warps": [4, 8]},
     "down": {"down_rows": [1, 2, 4, 8], "down_cols": [1024, 2048, 4096], "down_warps": [4, 8]},
     "head": {"head_rows": [8, 16, 32, 64], "head_warps": [4, 8]},

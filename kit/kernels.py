@@ -188,17 +188,15 @@ if triton is not None:
 
     @triton.jit
     def _o_kernel(acc_ptr, m_ptr, l_ptr, w_ptr, x_ptr, n_split, D: tl.constexpr, E: tl.constexpr,
-                  R: tl.constexpr, RP: tl.constexpr, HE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  R: tl.constexpr, RP: tl.constexpr, HE: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # program: output rows n of x += o_proj(attention), combining the attention blocks as it reads them
-        # (SPLITS blocks in one load each, so their latencies overlap)
         _let_next_start(PDL)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_K)
         w_first = tl.load(w_ptr + n[:, None] * HE + k[None, :], mask=(n < D)[:, None] & (k < HE)[None, :], other=0.0)
         _after_previous(PDL)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        s = tl.arange(0, SPLITS)[:, None]
         for k0 in range(0, HE, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             km = k < HE
@@ -207,15 +205,14 @@ if triton is not None:
             big_m = tl.full([BLOCK_K], float("-inf"), dtype=tl.float32)
             big_l = tl.zeros([BLOCK_K], dtype=tl.float32)
             y = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for s0 in range(0, n_split, SPLITS):
-                at = (g[None, :] * n_split + s0 + s) * RP + r[None, :]  # [SPLITS, BLOCK_K]
-                ok = (s0 + s < n_split) & km[None, :]
-                m = tl.load(m_ptr + at, mask=ok, other=float("-inf"))
-                m_new = tl.maximum(big_m, tl.max(m, 0))
+            for s in range(0, n_split):
+                at = (g * n_split + s) * RP + r
+                m = tl.load(m_ptr + at, mask=km, other=float("-inf"))
+                m_new = tl.maximum(big_m, m)
                 safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                c_old, c = tl.exp(big_m - safe), tl.exp(m - safe[None, :])
-                big_l = big_l * c_old + tl.sum(tl.load(l_ptr + at, mask=ok, other=0.0) * c, 0)
-                y = y * c_old + tl.sum(tl.load(acc_ptr + at * E + e[None, :], mask=ok, other=0.0) * c, 0)
+                c_old, c_new = tl.exp(big_m - safe), tl.exp(m - safe)
+                big_l = big_l * c_old + tl.load(l_ptr + at, mask=km, other=0.0) * c_new
+                y = y * c_old + tl.load(acc_ptr + at * E + e, mask=km, other=0.0) * c_new
                 big_m = m_new
             y = tl.where(km, y / tl.where(km, big_l, 1.0), 0.0)
             if k0 == 0:
@@ -309,8 +306,7 @@ if triton is not None:
 
 ROWS = 16  # query rows per kv head in the attention kernel, padded: tl.dot needs 16
 # Tile sizes per kernel, chosen with bench/kernel_tiles.py on an H200 for the Qwen2.5-0.5B shape.
-TILES = {"qkv_pairs": 4, "qkv_warps": 4, "attn_slots": 128, "attn_block": 64, "o_rows": 8, "o_splits": 4,
-         "gate_up_rows": 8,
+TILES = {"qkv_pairs": 4, "qkv_warps": 4, "attn_slots": 128, "attn_block": 64, "o_rows": 8, "gate_up_rows": 8,
          "gate_up_warps": 4, "down_rows": 2, "down_cols": 4096, "down_warps": 8, "head_rows": 16, "head_warps": 8,
          "pdl": True}
 
@@ -365,7 +361,7 @@ def attend(stage: Stage, i: int, x: torch.Tensor, pos: torch.Tensor, span: int, 
                                    BLOCK=tiles["attn_block"], **_pdl(x, tiles))
     _o_kernel[(triton.cdiv(D, tiles["o_rows"]),)](s.acc, s.m, s.l, stage.layers[i].self_attn.o_proj.weight, x,
                                                   s.n_split, D=D, E=E, R=H // G, RP=ROWS, HE=H * E,
-                                                  SPLITS=min(tiles["o_splits"], _pow2(s.n_split)), BLOCK_N=tiles["o_rows"], BLOCK_K=min(1024, _pow2(H * E)),
+                                                  BLOCK_N=tiles["o_rows"], BLOCK_K=min(1024, _pow2(H * E)),
                                                   **_pdl(x, tiles))
 
 

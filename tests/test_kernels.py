@@ -45,19 +45,6 @@ def test_kernel_drafts_equal_pytorch_drafts(tmp_path, family, tie, dtype):
     assert fast.propose(full, 4) == ref.propose(full, 4)
 
 
-@pytest.mark.timeout(300)
-def test_attention_blocks_combined_a_few_at_a_time(tmp_path, monkeypatch):
-    """The o kernel combines the attention blocks `o_splits` at a time: with 16-slot blocks a 150-token
-    context has 10 of them (chunks of 4, 4 and a partly masked 2), and the drafts still equal PyTorch's."""
-    monkeypatch.setitem(kernels.TILES, "attn_slots", 16)
-    monkeypatch.setitem(kernels.TILES, "attn_block", 16)
-    monkeypatch.setitem(kernels.TILES, "o_splits", 4)
-    ref, fast = pair(make_tiny(tmp_path / "m", "qwen2", layers=2, seed=8), torch.float32)
-    context = torch.randint(3, 256, (150,), generator=torch.Generator().manual_seed(9)).tolist()
-    assert fast.propose(context, 4) == ref.propose(context, 4)
-    assert kernels.Scratch(fast.stage, 154, kernels.TILES, 256).n_split == 10
-
-
 def test_kernels_decline_what_they_do_not_tile(tmp_path):
     """A head size the kernels do not tile, or bf16 (not verified), keeps the PyTorch step."""
     path = make_tiny(tmp_path / "odd", "llama3", layers=1, hidden=48)  # head_dim 12
