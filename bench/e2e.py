@@ -186,7 +186,8 @@ def run_config(name: str, target: str, draft: str, devices: list[str], prompt_ar
         nf4 = True
     with tempfile.TemporaryDirectory(prefix=f"e2e-{name}-") as tmp:
         metrics = Path(a.metrics_out) / name if a.metrics_out else Path(tmp) / "m"
-        common = ["--target", target, "--max-len", str(a.max_len), "--stage-timeout", "120"]
+        common = ["--target", target, "--max-len", str(a.max_len), "--stage-timeout", "120",
+                  "--spin-ms", str(a.spin_ms)]
         layers = [["--layers", f"0:{a.split}"], ["--layers", f"{a.split}:{n_layers(target)}"]] if a.split else [[], []]
         if devices[0] != "cpu":
             common += ["--dtype", "float16"]
@@ -312,6 +313,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--wan-spin", action="store_true",
                    help="WAN emulators that never sleep (kit.wan --spin, a busy core each): their wake-ups "
                         "then stop adding to the emulated round trip")
+    p.add_argument("--spin-ms", type=float, default=2.0,
+                   help="kit node --spin-ms: wait for an expected frame awake from this long before (0 = off; "
+                        "default: 2)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt (default: 96)")
     p.add_argument("--prompts", type=int, default=3, help="prompts per configuration (default: 3)")
     p.add_argument("--max-len", type=int, default=4096, help="KV cache length (default: 4096)")
@@ -368,7 +372,8 @@ def main(argv: list[str]) -> int:
         floors["nf4_14b_stage1_ms"] = (estimate_weights(c14, h14, c14.n_layers, False, False, 2, True)
                                        + c14.vocab_size * c14.hidden_size * 2) / bw[-1] * 1000
     out = {"command": "python -m kit bench e2e " + " ".join(argv), "shape": shape, "acceptance": acceptance,
-           "rtt_ms": a.rtt_ms, "wan_spin": a.wan_spin, "k": a.k, "split": a.split or "half", "max_new_tokens": a.max_new_tokens,
+           "rtt_ms": a.rtt_ms, "wan_spin": a.wan_spin, "spin_ms": a.spin_ms, "k": a.k, "split": a.split or "half",
+           "max_new_tokens": a.max_new_tokens,
            "kit_compile": os.environ.get("KIT_COMPILE", "0"),
            "hardware": {"gpus": [torch.cuda.get_device_name(i) for i in range(n_gpu)], "cpu": platform.processor(),
                         "cpus": os.cpu_count(), "platform": platform.platform(), "stage_devices": devices},

@@ -20,6 +20,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-len", type=int, default=2048, help="KV cache length in tokens, prompt included (default: 2048)")
     g.add_argument("--graphs", choices=["auto", "on", "off"], default="auto",
                    help="CUDA graphs for the draft loop and the verify pass (auto: on CUDA)")
+    g.add_argument("--spin-ms", type=float, default=2.0,
+                   help="wait for a frame awake (polling, for at most 10 ms) from this long before it is due, so it "
+                        "is picked up at once; 0 = always sleep (default: 2)")
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:

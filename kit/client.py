@@ -24,6 +24,7 @@ from relay.protocol import (HEADER_LEN, MAX_PAYLOAD, NONCE_LEN, RELAY, AuthError
 
 RETRYABLE = (ErrorCode.RATE_LIMITED, ErrorCode.SHUTTING_DOWN, ErrorCode.HANDSHAKE_TIMEOUT)
 _LOST = object()  # inbox marker: the link is gone for good
+SPIN_MAX_S = 0.01  # a wait that spins blocks again after this long: a wrong guess of the arrival costs only this
 
 
 class ConnectionLost(ConnectionError):
@@ -36,6 +37,20 @@ def parse_address(address: str) -> tuple:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"relay address must be HOST:PORT, got {address!r}")
     return host.strip("[]"), int(port)
+
+
+def _wait_input(wire: _Wire, wait: float, spin: tuple[float, float] | None) -> bool:
+    """Whether input came within `wait` s; polled without sleeping inside the `spin` window."""
+    now = time.perf_counter()
+    end = now + wait
+    if spin is None or now >= spin[1]:
+        return bool(wire.wait_readable(wait))
+    if now < spin[0] and wire.wait_readable(min(wait, spin[0] - now)):
+        return True
+    while (now := time.perf_counter()) < min(end, spin[1]):
+        if wire.wait_readable(0):
+            return True
+    return now < end and bool(wire.wait_readable(end - now))
 
 
 class _Wire:
@@ -141,8 +156,10 @@ class RelayClient:
     """A stage's link to the relay. `send` is thread-safe; `recv` is meant for one consumer thread."""
 
     def __init__(self, address: str, session: str, stage: int, stages: int, token: bytes | str,
-                 fingerprint: str | None = None, *, connect_timeout: float = 10.0, reconnect_deadline: float = 60.0):
+                 fingerprint: str | None = None, *, connect_timeout: float = 10.0, reconnect_deadline: float = 60.0,
+                 spin_s: float = 0.0):
         self.address = address
+        self.spin_s = spin_s  # recv(due=...) polls without sleeping from this long before a frame is due
         self.host, self.port = parse_address(address)
         if not 0 <= stage < stages:
             raise ValueError(f"stage {stage} is not in 0..{stages - 1}")
@@ -276,13 +293,17 @@ class RelayClient:
                 self._send_lock.release()
 
     # receiving
-    def recv(self, timeout: float | None = None) -> Frame | None:
+    def recv(self, timeout: float | None = None, due: float | None = None) -> Frame | None:
         """Next TENSOR/TOKENS/CONTROL/ERROR (or a peer's BYE) frame; None on timeout. Links that break while
         waiting are redialed underneath; ConnectionLost once that fails.
 
         While it waits, the calling thread reads the socket itself when the reader thread is not in the
-        middle of a frame: a frame then costs one thread wake-up, not the reader's and then this thread's."""
+        middle of a frame: a frame then costs one thread wake-up, not the reader's and then this thread's.
+        With `due` (the time.perf_counter() instant the frame is expected at) and `spin_s`, it polls the
+        socket without sleeping from spin_s before then, for at most SPIN_MAX_S: a thread that slept through
+        a round's ~90 ms wait picks the frame up late (bench/NOTES.md, "Waiting awake")."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        spin = None if due is None or self.spin_s <= 0 else (due - self.spin_s, due - self.spin_s + SPIN_MAX_S)
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -290,7 +311,7 @@ class RelayClient:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return None
-                item = self._read_for_caller(self._heartbeat if left is None else min(left, self._heartbeat))
+                item = self._read_for_caller(self._heartbeat if left is None else min(left, self._heartbeat), spin)
                 if item is None:
                     continue
             if item is _LOST:
@@ -302,8 +323,9 @@ class RelayClient:
         """Whether a frame for recv() is already waiting (the reader thread queued it)."""
         return not self._inbox.empty()
 
-    def _read_for_caller(self, wait: float) -> Frame | object | None:
-        """Up to `wait` s: a frame read here (or queued by the reader thread), or None."""
+    def _read_for_caller(self, wait: float, spin: tuple[float, float] | None = None) -> Frame | object | None:
+        """Up to `wait` s: a frame read here (or queued by the reader thread), or None. Inside the `spin`
+        window (perf_counter instants) the socket is polled without sleeping."""
         wire = self._wire
         if wire is None or wire is self._broken or self._lost is not None:
             try:  # the reader thread is redialing, or gone: it queues what comes
@@ -316,7 +338,7 @@ class RelayClient:
             os.write(self._nudge_w, b"x")
         try:
             with self._read_lock:  # the reader thread holds it only while it reads a frame
-                if not self._inbox.empty() or not wire.wait_readable(wait):
+                if not self._inbox.empty() or not _wait_input(wire, wait, spin):
                     return None  # a frame the reader queued before this thread took over goes first
                 frame = self._read_frame(wire)
                 return frame if self._dispatch(wire, frame, queue_it=False) else None

@@ -162,7 +162,8 @@ class LocalCluster:
 def node_args(args) -> list[str]:
     """The `kit node` options that `kit run` passes through to every stage."""
     out = ["--target", args.target, "--draft", args.draft, "--device", args.device, "--dtype", args.dtype,
-           "--max-len", str(args.max_len), "--graphs", args.graphs, "--stage-timeout", str(args.stage_timeout)]
+           "--max-len", str(args.max_len), "--graphs", args.graphs, "--stage-timeout", str(args.stage_timeout),
+           "--spin-ms", str(args.spin_ms)]
     if args.load_in_4bit:
         out.append("--load-in-4bit")
     return out

@@ -95,6 +95,10 @@ class StageServer:
         self.sampling = Sampling()
         self.gen = -1
         self.verdicts: collections.OrderedDict[tuple[int, int], tuple[list[int], dict]] = collections.OrderedDict()
+        # when the last TENSOR frame came (perf_counter) and recent gaps between them, s: the next is due
+        # at the shortest gap after the last
+        self.arrived: float | None = None
+        self.gaps: collections.deque[float] = collections.deque(maxlen=8)
 
     def hello(self) -> None:
         self.client.send(0, FrameType.CONTROL, encode_control({"op": "hello", "stage": self.index, "boot": self.boot}))
@@ -104,7 +108,7 @@ class StageServer:
         self.hello()
         heard = time.monotonic()
         while True:
-            f = self.client.recv(timeout=1.0)
+            f = self.client.recv(timeout=1.0, due=self.arrived + min(self.gaps) if self.gaps else None)
             if f is None:
                 if idle_timeout and time.monotonic() - heard > idle_timeout:
                     return False
@@ -119,6 +123,10 @@ class StageServer:
                         {"op": "bye", "stage": self.index, **memory_report()}))
                     return True
             elif f.type == FrameType.TENSOR:
+                if f.received:
+                    if self.arrived is not None:
+                        self.gaps.append(f.received - self.arrived)
+                    self.arrived = f.received
                 self.on_tensor(f)
             elif f.type == FrameType.ERROR:
                 print(f"[stage {self.index}] relay: {decode_error(f.payload).get('message')}", file=self.log)
@@ -495,7 +503,7 @@ class Driver:
                 self.last_reconnects = self.client.reconnects
                 self.resend(flights)  # frames inside a broken link may be lost
                 resend_at = time.monotonic() + opts.resend_after_s
-            f = self.client.recv(timeout=0.25)
+            f = self.client.recv(timeout=0.25, due=head.sent + min(self.trips) / 1000 if self.trips else None)
             now = time.monotonic()
             if f is None:
                 if now - progress_at > opts.stage_timeout_s:
@@ -715,7 +723,7 @@ def main(args) -> int:
     except (CheckpointError, ConfigError, PlanError, ValueError) as e:
         raise SystemExit(f"error: {e}")
     client = RelayClient(relay, args.session, args.stage, args.stages, token, fingerprint,
-                         reconnect_deadline=args.stage_timeout)
+                         reconnect_deadline=args.stage_timeout, spin_s=max(0.0, args.spin_ms) / 1000)
     try:
         client.connect()
     except Exception as e:

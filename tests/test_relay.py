@@ -121,6 +121,26 @@ def test_ring_routes_frames_and_payloads(relay):
             n.close()
 
 
+def test_a_spinning_wait_gets_frames_times_out_and_stops_spinning(relay):
+    """recv(due=...) with spin_s, as the ring's nodes wait for a frame they expect: a frame that comes
+    while it polls or after it arrives whole; with nothing sent it returns None at its timeout, not before;
+    and it polls only for SPIN_MAX_S, so a wrong guess of the arrival does not keep a core busy."""
+    a, b = node(relay, "spin", 0, 2), node(relay, "spin", 1, 2, spin_s=0.005)
+    try:
+        t = time.perf_counter()
+        assert b.recv(0.05, due=t + 0.01) is None and time.perf_counter() - t >= 0.05
+        for delay in (0.002, 0.05):  # inside the 10 ms it polls, and after it
+            threading.Timer(delay, a.send, (1, FrameType.TOKENS, encode_tokens([7], {"d": delay}))).start()
+            f = b.recv(5, due=time.perf_counter())
+            assert f is not None and decode_tokens(f.payload) == ([7], {"d": delay})
+        cpu = time.process_time()
+        assert b.recv(0.4, due=time.perf_counter()) is None
+        assert time.process_time() - cpu < 0.2  # polled 10 ms, then slept
+    finally:
+        a.close()
+        b.close()
+
+
 def test_frames_to_absent_stage_wait_then_error(relay):
     a = node(relay, "absent", 0, 3)
     try:
