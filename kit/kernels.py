@@ -14,8 +14,8 @@ bench/NOTES.md, v5, v6 and v9):
 
 and the head is RMSNorm + logits (kept on request, for overlap's runner-up branches) + an argmax per block
 of rows; one small kernel then picks the best block's token and copies its embedding row in as the next
-step's x, so a whole draft runs without a PyTorch op between steps. Every program of a projection reads the whole input vector (a few KB, from L2) and normalises it
-itself, so norms need no kernel of their own.
+step's x, so a whole draft runs without a PyTorch op between steps. Every program of a projection reads the
+whole input vector (a few KB, from L2) and normalises it itself, so norms need no kernel of their own.
 Rounding follows the PyTorch path (fp16 after each projection, norm and activation; fp32 inside), so
 drafts match the eager drafter's up to near-ties. On compute capability 9.0+ every kernel is launched with
 programmatic dependent launch and loads its weights while the previous kernel finishes (`_after_previous`).
