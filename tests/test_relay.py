@@ -14,6 +14,7 @@ import pytest
 from relay_helpers import (ROOT, RecordingProxy, RelayProcess, drain_until_closed, frames_in, raw_connect,
                            raw_node)
 
+from kit import client as client_module
 from kit.client import ConnectionLost, RelayClient
 from relay.protocol import (RELAY, AuthError, ErrorCode, FingerprintMismatch, Frame, FrameType,
                             client_handshake, decode_control, decode_error, decode_tensor, decode_tokens,
@@ -121,10 +122,11 @@ def test_ring_routes_frames_and_payloads(relay):
             n.close()
 
 
-def test_a_spinning_wait_gets_frames_times_out_and_stops_spinning(relay):
+def test_a_spinning_wait_gets_frames_times_out_and_stops_spinning(relay, monkeypatch):
     """recv(due=...) with spin_s, as the ring's nodes wait for a frame they expect: a frame that comes
-    while it polls or after it arrives whole; with nothing sent it returns None at its timeout, not before;
-    and it polls only for SPIN_MAX_S, so a wrong guess of the arrival does not keep a core busy."""
+    while it polls (taken at once) or after it arrives whole; with nothing sent it returns None at its
+    timeout, not before; and it polls only for SPIN_MAX_S, so a wrong guess of the arrival does not keep
+    a core busy."""
     a, b = node(relay, "spin", 0, 2), node(relay, "spin", 1, 2, spin_s=0.005)
     try:
         t = time.perf_counter()
@@ -136,6 +138,11 @@ def test_a_spinning_wait_gets_frames_times_out_and_stops_spinning(relay):
         cpu = time.process_time()
         assert b.recv(0.4, due=time.perf_counter()) is None
         assert time.process_time() - cpu < 0.2  # polled 10 ms, then slept
+        monkeypatch.setattr(client_module, "SPIN_MAX_S", 1.0)
+        threading.Timer(0.05, a.send, (1, FrameType.TOKENS, encode_tokens([8], {}))).start()
+        t = time.perf_counter()
+        f = b.recv(5, due=t)  # the frame lands inside a 1 s polling window: taken then, not when it ends
+        assert f is not None and decode_tokens(f.payload)[0] == [8] and time.perf_counter() - t < 0.5
     finally:
         a.close()
         b.close()
