@@ -19,6 +19,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from kit.model import ConfigError, ModelConfig, Stage
+from kit.nf4 import NF4Linear
 
 DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
@@ -213,7 +214,8 @@ def set_param(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 
 def quantize_nf4(stage: Stage, compute_dtype: torch.dtype) -> None:
-    """Swap each decoder linear layer for a bitsandbytes NF4 one (quantised when moved to its device)."""
+    """Swap each decoder linear layer for a bitsandbytes NF4 one (quantised when moved to its device), wrapped so
+    that a round's few tokens take kit.nf4's kernel."""
     try:
         import bitsandbytes as bnb
     except ImportError:
@@ -229,7 +231,7 @@ def quantize_nf4(stage: Stage, compute_dtype: torch.dtype) -> None:
                 q.weight = bnb.nn.Params4bit(lin.weight.data.cpu(), requires_grad=False, quant_type="nf4")
                 if lin.bias is not None:
                     q.bias = torch.nn.Parameter(lin.bias.data, requires_grad=False)
-                setattr(parent, name, q.to(dev))
+                setattr(parent, name, NF4Linear(q.to(dev)))
 
 
 def parse_dtype(name: str) -> torch.dtype:
