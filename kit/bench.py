@@ -11,7 +11,6 @@ SCRIPTS = {
     "draft": ("draft_verify.py", "8-token draft round of a Qwen2.5-0.5B shape: eager vs CUDA graph (GPU)"),
     "verify": ("draft_verify.py", "9-token verify through a Qwen2.5-7B shape in two stages (GPU)"),
     "tiles": ("kernel_tiles.py", "tile sizes of the drafter's Triton kernels, per kernel, Qwen2.5-0.5B shape (GPU)"),
-    "nf4": ("nf4.py", "NF4 linear maps of a Qwen2.5-14B shape, few tokens: kit.nf4's kernel vs bitsandbytes (GPU)"),
     "acceptance": ("acceptance.py", "tokens per round of each drafter on SmolLM2-135M, real prompts (CPU)"),
     "e2e": ("e2e.py", "the whole ring: relay, emulated WAN, one process per stage, round-time breakdown"),
 }

@@ -19,7 +19,6 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from kit.model import ConfigError, ModelConfig, Stage
-from kit.nf4 import NF4Linear
 
 DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
@@ -214,8 +213,7 @@ def set_param(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 
 def quantize_nf4(stage: Stage, compute_dtype: torch.dtype) -> None:
-    """Swap each decoder linear layer for a bitsandbytes NF4 one (quantised when moved to its device), wrapped so
-    that a round's few tokens take kit.nf4's kernel."""
+    """Swap each decoder linear layer for a bitsandbytes NF4 one (quantised when moved to its device)."""
     try:
         import bitsandbytes as bnb
     except ImportError:
@@ -231,7 +229,7 @@ def quantize_nf4(stage: Stage, compute_dtype: torch.dtype) -> None:
                 q.weight = bnb.nn.Params4bit(lin.weight.data.cpu(), requires_grad=False, quant_type="nf4")
                 if lin.bias is not None:
                     q.bias = torch.nn.Parameter(lin.bias.data, requires_grad=False)
-                setattr(parent, name, NF4Linear(q.to(dev)))
+                setattr(parent, name, q.to(dev))
 
 
 def parse_dtype(name: str) -> torch.dtype:
