@@ -131,6 +131,70 @@ def split_matmul(x, packed, bias, block_n=64, warps=4, chunks=4, decode=1):
     return y.to(x.dtype).view(*x.shape[:-1], N)
 
 
+@triton.jit
+def _byte_kernel(x_ptr, w_ptr, s_ptr, lut_ptr, y_ptr, T, N, K,
+                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, GATHER: tl.constexpr):
+    # fp16 only: a byte of the words is two values, k = 2r (low nibble) and 2r + 1 (high), looked up at once in
+    # a 256-entry table of fp16 pairs; x's even and odd columns meet them in two dots
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t = tl.arange(0, BLOCK_T)
+    r = tl.arange(0, 32)
+    n_ok, t_ok = n < N, t < T
+    bshift = (r % 4) * 8
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    if GATHER:
+        table = tl.broadcast_to(tl.load(lut_ptr + tl.arange(0, 256))[:, None], (256, BLOCK_N))
+    for c in tl.static_range(CHUNKS):
+        k0 = (tl.program_id(1) * CHUNKS + c) * 64
+        rows8 = k0 // 8 + tl.arange(0, 8)
+        w8 = tl.load(w_ptr + rows8[:, None] * N + n[None, :], mask=n_ok[None, :] & (rows8 < K // 8)[:, None], other=0)
+        words = tl.reshape(tl.broadcast_to(w8[:, None, :], (8, 4, BLOCK_N)), (32, BLOCK_N))
+        byte = (words >> bshift[:, None]) & 255
+        if GATHER:
+            v = tl.gather(table, byte, 0)
+        else:
+            v = tl.load(lut_ptr + byte)
+        w_even = (v & 65535).to(tl.int16).to(tl.float16, bitcast=True)
+        w_odd = (v >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+        ke = k0 + 2 * r
+        xm = t_ok[:, None] & (ke < K)[None, :]
+        x_even = tl.load(x_ptr + t[:, None] * K + ke[None, :], mask=xm, other=0.0)
+        x_odd = tl.load(x_ptr + t[:, None] * K + ke[None, :] + 1, mask=xm, other=0.0)
+        part = tl.dot(x_even, w_even) + tl.dot(x_odd, w_odd)
+        scale = tl.load(s_ptr + (k0 // 64) * N + n, mask=n_ok & (n * 0 + k0 < K), other=0.0).to(tl.float32)
+        acc += part * scale[None, :]
+    tl.atomic_add(y_ptr + t[:, None] * N + n[None, :], acc, mask=t_ok[:, None] & n_ok[None, :], sem="relaxed")
+
+
+def byte_lut(code16):
+    """256 int32: fp16 bits of code[b & 15] | fp16 bits of code[b >> 4] << 16."""
+    bits = code16.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+    b = torch.arange(256, device=code16.device)
+    lut = bits[b & 15] | (bits[b >> 4] << 16)
+    return torch.where(lut >= 2 ** 31, lut - 2 ** 32, lut).to(torch.int32)
+
+
+def byte_matmul(x, packed, bias, block_n=64, warps=4, chunks=4, gather=1):
+    words, scales, code = packed
+    K = x.shape[-1]
+    N = words.shape[1]
+    x2 = x.reshape(-1, K)
+    T = x2.shape[0]
+    lut = _LUT.get(code.device)
+    if lut is None:
+        lut = _LUT[code.device] = byte_lut(code)
+    y = torch.zeros(T, N, dtype=torch.float32, device=x.device)
+    _byte_kernel[(triton.cdiv(N, block_n), triton.cdiv(K // 64, chunks))](
+        x2, words, scales, lut, y, T, N, K, BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_N=block_n,
+        CHUNKS=chunks, GATHER=gather, num_warps=warps)
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype).view(*x.shape[:-1], N)
+
+
+_LUT = {}
+
+
 def repack(q, dtype):
     """bitsandbytes NF4 layer -> (words int32 [K/8, N], scales [K/64, N] dtype, code [16] dtype)."""
     import bitsandbytes.functional as F
@@ -181,9 +245,14 @@ def check(dev, dtype, shapes, Ts):
         for T in Ts:
             x = torch.randn(T, k, device=dev, dtype=dtype, generator=gen)
             want = torch.nn.functional.linear(x.float(), w.float(), q.bias.float())
-            for dec in DECODES + [10 + d for d in SPLITDEC]:
+            for dec in DECODES + [10 + d for d in SPLITDEC] + ([20, 21] if dtype == torch.float16 else []):
                 try:
-                    got = (matmul(x, p, q.bias, decode=dec) if dec < 10 else split_matmul(x, p, q.bias, 32, 4, 2, dec - 10)).float()
+                    if dec >= 20:
+                        got = byte_matmul(x, p, q.bias, 32, 4, 2, dec - 20).float()
+                    elif dec >= 10:
+                        got = split_matmul(x, p, q.bias, 32, 4, 2, dec - 10).float()
+                    else:
+                        got = matmul(x, p, q.bias, decode=dec).float()
                 except Exception as e:
                     print(f"check decode={dec}: {type(e).__name__} {str(e)[:300]}", flush=True)
                     continue
@@ -201,6 +270,7 @@ def main():
     a = ap.parse_args()
     if a.cpu:
         print("worst", check("cpu", torch.float32, [(96, 128), (64, 192)], [1, 3, 9]))
+        print("worst fp16", check("cpu", torch.float16, [(96, 128), (64, 192)], [1, 9]))
         return
     torch.set_grad_enabled(False)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
@@ -258,6 +328,17 @@ def main():
                 rows.append({"tile": ["split", bn, w, ch, dec], "error": str(e)[:120]})
                 continue
             rows.append({"tile": ["split", bn, w, ch, dec], "us": round(us, 2)})
+        for bn, w, ch, g in itertools.product([32, 64, 128], [4, 8], [2, 4, 8], [0, 1]):
+            def fn(names=names, bn=bn, w=w, ch=ch, g=g):
+                for L, P in zip(layers, packs):
+                    for nm in names:
+                        byte_matmul(xs[9][shapes[nm][1]], P[nm], L[nm].bias, bn, w, ch, g)
+            try:
+                us = graph_us(fn, 10) / a.layers / len(names)
+            except Exception as e:
+                rows.append({"tile": ["byte", bn, w, ch, g], "error": str(e)[:120]})
+                continue
+            rows.append({"tile": ["byte", bn, w, ch, g], "us": round(us, 2)})
         ok = [r for r in rows if "us" in r]
         b = min(ok, key=lambda r: r["us"])
         best[s] = b["tile"]
@@ -272,7 +353,9 @@ def main():
             for L, P in zip(layers, packs):
                 for nm in shapes:
                     b = best[shapes[nm]]
-                    if b[0] == "split":
+                    if b[0] == "byte":
+                        byte_matmul(xs[T][shapes[nm][1]], P[nm], L[nm].bias, *b[1:])
+                    elif b[0] == "split":
                         split_matmul(xs[T][shapes[nm][1]], P[nm], L[nm].bias, *b[1:])
                     else:
                         matmul(xs[T][shapes[nm][1]], P[nm], L[nm].bias, b[0], b[1], b[2], True, b[3])
