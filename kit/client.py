@@ -441,10 +441,13 @@ class RelayClient:
         return err["code"] in (ErrorCode.IDLE_TIMEOUT, ErrorCode.SHUTTING_DOWN)
 
     def _redial(self, gen: int, cause: Exception) -> bool:
+        """Dial again after the link broke (`cause`); False once the deadline passes or the relay refuses, and
+        recv()/send() then raise ConnectionLost naming both what broke the link and why it stayed broken."""
         try:
             wire = self._dial_until(time.monotonic() + self.reconnect_deadline)
         except (ConnectionLost, AuthError) as e:
-            self._fail(e if isinstance(e, ConnectionLost) else ConnectionLost(f"reconnect refused: {e}"))
+            why = str(e) if isinstance(e, ConnectionLost) else f"reconnect refused: {e}"
+            self._fail(ConnectionLost(f"the link to the relay broke ({cause or type(cause).__name__}); {why}"))
             return False
         with self._cond:
             if self._closing:
