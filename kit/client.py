@@ -447,7 +447,9 @@ class RelayClient:
             wire = self._dial_until(time.monotonic() + self.reconnect_deadline)
         except (ConnectionLost, AuthError) as e:
             why = str(e) if isinstance(e, ConnectionLost) else f"reconnect refused: {e}"
-            self._fail(ConnectionLost(f"the link to the relay broke ({cause or type(cause).__name__}); {why}"))
+            lost = ConnectionLost(f"the link to the relay broke ({cause or type(cause).__name__}); {why}")
+            lost.__cause__ = e
+            self._fail(lost)
             return False
         with self._cond:
             if self._closing:
